@@ -1,0 +1,33 @@
+# rpcmp: every target installs what it needs into a project venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.rpcmp-installed
+
+.PHONY: install demo test bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# pinned: these builds lie on this machine's disk; others download GBs
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	cd examples/unet_split && ../../$(VENV)/bin/rpcmp run job.py --local 3
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/bench.py
+
+lint: install
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check rpcmp tests examples benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

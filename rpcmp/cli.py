@@ -1,0 +1,113 @@
+"""The ``rpcmp`` command line: ``run``, ``plan``.
+
+    rpcmp run examples/unet_split/job.py --local 3      # one machine, 3 processes
+    rpcmp plan examples/unet_split/job.py --world-size 3
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from .errors import RpcmpError
+
+__all__ = ["main", "job_options"]
+
+
+def job_options(fn):
+    """Settings that override the job file's, shared by ``rpcmp run`` and ``python -m rpcmp.master``."""
+    options = [
+        click.option("--microbatches", "-m", type=int, help="Micro-batches per batch (Job.microbatches)."),
+        click.option("--batch-size", type=int, help="Samples per optimizer step (Job.batch_size)."),
+        click.option("--epochs", type=int, help="Passes over the training set (Job.epochs)."),
+        click.option("--max-steps", type=int, help="Stop after this many optimizer steps (Job.max_steps)."),
+        click.option("--threads", type=int, help="Intra-op threads per process (default: cores / processes)."),
+        click.option("--transport", type=click.Choice(["uv", "shm"]), help="TensorPipe transport (default uv)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport")
+        kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
+        for k in keys:
+            kw.pop(k, None)
+        try:
+            return fn(**kw)
+        except RpcmpError as exc:
+            Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+            sys.exit(2)
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="rpcmp")
+def main():
+    """rpcmp: train a model split into stages across processes and nodes over RPC."""
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--local", "nprocs", type=int, required=True,
+              help="Number of processes to start on this machine (master + workers).")
+@job_options
+def run(job_file, nprocs, overrides):
+    """Train JOB_FILE. With --local N: N processes on this machine, bound to loopback."""
+    from .runtime import launch_local
+    from .trainer import fit
+    if nprocs < 2:
+        raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
+    launch_local(job_file, nprocs, fit, overrides=overrides)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--world-size", "-n", type=int, default=None,
+              help="Processes the job will run on (default: stages + 1).")
+@job_options
+def plan(job_file, world_size, overrides):
+    """Print how JOB_FILE is cut into stages and placed, without starting any process."""
+    from .job import load_job
+    from .partition import build_stage, plan_stages
+    from .placement import resolve_placement
+    from .trainer import sample_batch
+    job = load_job(job_file, overrides=overrides)
+    specs = plan_stages(job, sample_batch(job))
+    world_size = world_size or len(specs) + 1
+    places = resolve_placement(job.placement, len(specs), world_size)
+    cls, kwargs = job.optimizer
+    states = _optimizer_states(cls, kwargs)
+    table = Table(title=f"{job_file}: {len(specs)} stages on {world_size} processes, "
+                        f"{job.microbatches} micro-batches of a {job.batch_size}-sample batch")
+    for col in ("stage", "modules", "parameters", "est. memory", "placement"):
+        table.add_column(col, justify="right" if col in ("parameters", "est. memory") else "left")
+    total = 0
+    for spec, place in zip(specs, places):
+        module = build_stage(job, spec)
+        n = sum(p.numel() for p in module.parameters())
+        bytes_ = sum(p.numel() * p.element_size() * (2 + states) for p in module.parameters())
+        bytes_ += sum(b.numel() * b.element_size() for b in module.buffers())
+        total += n
+        table.add_row(str(spec.index), spec.name, f"{n:,}", _mib(bytes_), str(place))
+    table.caption = (f"{total:,} parameters; memory = weights + gradients + {states} optimizer "
+                     f"state(s) per parameter ({cls.__name__}) + buffers, activations excluded")
+    Console().print(table)
+
+
+def _optimizer_states(cls, kwargs) -> int:
+    name = cls.__name__.lower()
+    if "adam" in name:
+        return 2
+    return 1 if kwargs.get("momentum") else 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+if __name__ == "__main__":
+    main()

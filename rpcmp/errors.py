@@ -1,0 +1,31 @@
+"""Typed errors for user mistakes. Each message says what was expected, what was got, and the fix."""
+
+__all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError"]
+
+
+class RpcmpError(Exception):
+    """Base class of every error rpcmp raises on purpose."""
+
+
+class JobError(RpcmpError, ValueError):
+    """The job file or a Job field is wrong."""
+
+
+class PartitionError(RpcmpError, ValueError):
+    """The stage declaration does not fit the model."""
+
+
+class PlacementError(RpcmpError, ValueError):
+    """The placement does not fit the stages or the processes."""
+
+
+class MicroBatchError(RpcmpError, ValueError):
+    """A batch cannot be split into the requested micro-batches."""
+
+
+class StageError(RpcmpError, RuntimeError):
+    """A stage failed on its owner; the message carries the remote traceback."""
+
+
+class StageOutputError(MicroBatchError):
+    """A stage returned something that cannot travel between stages."""

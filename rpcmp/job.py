@@ -1,0 +1,126 @@
+"""The job: one Python file that every process imports, holding ``job = rpcmp.Job(...)``.
+
+Every process (master, workers, torchrun ranks) imports the same file, so the model
+factory, data and loss are plain importable functions and never travel over RPC.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .errors import JobError
+from .partition import Split, declaration_kind
+
+__all__ = ["Job", "load_job"]
+
+_TRANSPORTS = ("uv", "shm")
+
+
+@dataclass
+class Job:
+    """Everything rpcmp needs to train a model split into stages.
+
+    Example (``examples/unet_split/job.py``)::
+
+        job = rpcmp.Job(
+            model=lambda: smp.Unet("resnet34", encoder_weights=None, in_channels=1, classes=1),
+            stages=["encoder", "decoder", "segmentation_head"],
+            data=make_datasets, loss=dice_bce_loss, metric=dice_score,
+            optimizer=(torch.optim.Adam, {"lr": 1e-3}), batch_size=8, microbatches=4,
+        )
+    """
+
+    model: Callable[[], torch.nn.Module] | None = None
+    stages: Sequence[Any] | Split = ()
+    placement: str | Sequence[str] = "auto"
+    data: Callable[[], tuple[Any, Any]] | None = None  # -> (train_dataset, heldout_dataset or None)
+    loss: Callable[[Any, Any], torch.Tensor] | None = None  # loss(output, target), on the master
+    metric: Callable[[Any, Any], float] | None = None  # higher is better, on held-out data
+    metric_name: str = "metric"
+    optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.01})
+    batch_size: int = 8
+    microbatches: int = 1
+    epochs: int = 1
+    max_steps: int | None = None
+    seed: int = 0
+    threads: int | None = None  # intra-op threads per process; None: cores / processes on the node
+    transport: str = "uv"  # TensorPipe transport: "uv" (TCP) or "shm" (busy-polls; see README)
+    rpc_timeout: float = 60.0
+    device_maps: bool = False  # opt-in: CUDA tensors go stage to stage directly (TensorPipe device maps)
+    source: str | None = field(default=None, repr=False)  # path of the job file, set by load_job
+
+    def __post_init__(self):
+        declaration_kind(self.stages)
+        for name in ("batch_size", "microbatches", "epochs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise JobError(f"Job.{name} must be a positive integer, got {value!r}")
+        if self.microbatches > self.batch_size:
+            raise JobError(
+                f"Job.microbatches ({self.microbatches}) is larger than Job.batch_size ({self.batch_size}): "
+                f"each micro-batch needs at least one sample; lower microbatches or raise batch_size"
+            )
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
+        if self.transport not in _TRANSPORTS:
+            raise JobError(f"Job.transport must be one of {_TRANSPORTS}, got {self.transport!r}")
+        cls, kwargs = _optimizer(self.optimizer)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise JobError(f"Job.optimizer must be (torch.optim.<Class>, {{kwargs}}), got {self.optimizer!r}")
+        self.optimizer = (cls, kwargs)
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise JobError(f"Job.threads must be None or a positive integer, got {self.threads!r}")
+
+
+def _optimizer(value: Any) -> tuple[Any, dict]:
+    if isinstance(value, type):
+        return value, {}
+    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], dict):
+        return value[0], dict(value[1])
+    raise JobError(f"Job.optimizer must be (torch.optim.<Class>, {{kwargs}}), got {value!r}")
+
+
+def load_job(path: str, name: str = "job", overrides: dict | None = None) -> Job:
+    """Import the job file at ``path`` and return its ``Job`` (the attribute ``name``).
+
+    The module is registered under a name derived from the file's absolute path, so
+    that every process that loads the same file sees the same module name.
+    """
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise JobError(f"job file {path} does not exist: pass the path of a Python file that defines `job = rpcmp.Job(...)`")
+    modname = "rpcmp_job_" + hashlib.sha1(path.encode()).hexdigest()[:10]
+    module = sys.modules.get(modname)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(modname, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = module
+        sys.path.insert(0, os.path.dirname(path))  # a job may import modules that sit beside it
+        torch.manual_seed(0)  # modules built at import time come out the same in every process
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[modname]
+            tb = traceback.format_exc(limit=-3)
+            raise JobError(f"job file {path} failed to import: {type(exc).__name__}: {exc}\n{tb}") from exc
+    job = getattr(module, name, None)
+    if not isinstance(job, Job):
+        found = sorted(k for k, v in vars(module).items() if isinstance(v, Job))
+        hint = f"it defines Job objects named {found}: name one `job`" if found else "add `job = rpcmp.Job(...)`"
+        raise JobError(f"job file {path} has no Job named {name!r} (got {type(job).__name__}); {hint}")
+    if overrides:
+        fields = {k: v for k, v in vars(job).items()}
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise JobError(f"unknown Job settings {unknown}; valid ones are {sorted(fields)}")
+        fields.update(overrides)
+        job = Job(**fields)
+    job.source = path
+    return job

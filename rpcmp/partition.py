@@ -1,0 +1,195 @@
+"""Stage declaration: how a model is cut into stages.
+
+Three forms are accepted as ``Job(stages=...)``:
+
+* names of submodules in forward order: ``["encoder", "decoder", "segmentation_head"]``
+  (an item may itself be a list of names, run one after the other in one stage);
+* an explicit list of modules or zero-argument module factories;
+* :class:`Split` for an ``nn.Sequential``: a balance (``Split([3, 5, 2])``) or an
+  automatic one (``Split(parts=3, by="params")`` / ``by="time"``).
+
+The master turns the declaration into small picklable :class:`StageSpec` records
+(:func:`plan_stages`); each owner builds only its own stage from its own import of the
+job (:func:`build_stage`), so no process needs to ship modules over the wire.
+
+A stage is called with one argument, the previous stage's output.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .balance import balance_by_params, balance_by_time
+from .errors import PartitionError
+
+__all__ = ["Split", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Cut an ``nn.Sequential`` model into contiguous stages.
+
+    ``Split([3, 5, 2])`` gives the layers per stage; ``Split(parts=3, by="params")``
+    or ``by="time"`` balances automatically (``time`` profiles every layer once on a
+    sample batch, in the master process).
+    """
+
+    balance: Sequence[int] | None = None
+    parts: int | None = None
+    by: str = "params"
+
+    def __post_init__(self):
+        if (self.balance is None) == (self.parts is None):
+            raise PartitionError(
+                f"Split expects exactly one of balance=[...] or parts=N, got balance={self.balance!r}, "
+                f"parts={self.parts!r}: e.g. Split([3, 5, 2]) or Split(parts=3, by='params')"
+            )
+        if self.balance is not None:
+            bad = [b for b in self.balance if not isinstance(b, int) or b < 1]
+            if not self.balance or bad:
+                raise PartitionError(
+                    f"Split balance must be a non-empty list of positive layer counts, got {list(self.balance)!r}"
+                )
+        if self.by not in ("params", "time"):
+            raise PartitionError(f"Split(by=...) expects 'params' or 'time', got {self.by!r}")
+
+    @property
+    def count(self) -> int:
+        return len(self.balance) if self.balance is not None else int(self.parts)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What an owner needs to build one stage: everything here is small and picklable."""
+
+    index: int
+    name: str
+    kind: str  # "names" | "modules" | "slice"
+    names: tuple[str, ...] = ()
+    start: int = 0
+    stop: int = 0
+    prefix: str = ""  # key prefix of this stage's state_dict in the unsplit model's
+    total: int = 0  # "slice": layers the whole nn.Sequential must have (sum of the balance)
+
+
+def declaration_kind(stages: Any) -> str:
+    if isinstance(stages, Split):
+        return "slice"
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or len(stages) == 0:
+        raise PartitionError(
+            f"stages must be a non-empty list of submodule names, of modules / factories, or a "
+            f"Split(...), got {stages!r}: e.g. stages=['encoder', 'decoder', 'segmentation_head']"
+        )
+    if all(isinstance(s, str) or (isinstance(s, (list, tuple)) and s and all(isinstance(n, str) for n in s))
+           for s in stages):
+        return "names"
+    if all(isinstance(s, nn.Module) or callable(s) for s in stages):
+        return "modules"
+    raise PartitionError(
+        f"stages mixes kinds ({[type(s).__name__ for s in stages]}): use only names, or only modules/factories"
+    )
+
+
+def plan_stages(job, sample: Any = None) -> list[StageSpec]:
+    """Resolve ``job.stages`` into :class:`StageSpec` records (master side)."""
+    stages = job.stages
+    kind = declaration_kind(stages)
+    if kind == "names":
+        specs = []
+        for i, item in enumerate(stages):
+            names = (item,) if isinstance(item, str) else tuple(item)
+            prefix = f"{names[0]}." if len(names) == 1 else ""
+            specs.append(StageSpec(i, "+".join(names), "names", names=names, prefix=prefix))
+        flat = [n for s in specs for n in s.names]
+        dup = sorted({n for n in flat if flat.count(n) > 1})
+        if dup:
+            raise PartitionError(f"each submodule may appear in one stage only, got {dup} more than once")
+        return specs
+    if kind == "modules":
+        return [StageSpec(i, _label(s), "modules", prefix=f"{i}.") for i, s in enumerate(stages)]
+    balance = list(stages.balance) if stages.balance is not None else None
+    if balance is None:
+        model = _build_model(job)
+        seq = _as_sequential(model)
+        if stages.by == "params":
+            balance = balance_by_params(seq, stages.parts)
+        else:
+            if sample is None:
+                raise PartitionError("Split(by='time') needs a sample batch: give the job data=... so one can be drawn")
+            balance = balance_by_time(seq, stages.parts, sample)
+    specs, start = [], 0
+    for i, n in enumerate(balance):
+        specs.append(StageSpec(i, f"layers[{start}:{start + n}]", "slice", start=start, stop=start + n,
+                               total=sum(balance)))
+        start += n
+    return specs
+
+
+def build_stage(job, spec: StageSpec) -> nn.Module:
+    """Build the module of one stage (owner side). Seeded so that every process's
+    construction matches the unsplit model built with ``torch.manual_seed(job.seed)``."""
+    if spec.kind == "modules":
+        torch.manual_seed(job.seed)
+        item = job.stages[spec.index]
+        module = item if isinstance(item, nn.Module) else item()
+        if not isinstance(module, nn.Module):
+            raise PartitionError(f"stage {spec.index} factory {_label(item)} returned {type(module).__name__}, expected an nn.Module")
+        return module
+    model = _build_model(job)
+    if spec.kind == "names":
+        children = [n for n, _ in model.named_children()]
+        order = [children.index(n) if n in children else -1 for n in _all_names(job)]
+        for name in spec.names:
+            if name not in children:
+                raise PartitionError(
+                    f"stage {spec.index}: {type(model).__name__} has no submodule {name!r}; "
+                    f"valid names, in order: {children}"
+                )
+        if order != sorted(order):
+            raise PartitionError(
+                f"stage names must follow the model's submodule order {children}, got {_all_names(job)}"
+            )
+        if len(spec.names) == 1:
+            return getattr(model, spec.names[0])
+        # keep the submodule names so that state_dict keys match the unsplit model's
+        return nn.Sequential(OrderedDict((n, getattr(model, n)) for n in spec.names))
+    seq = _as_sequential(model)
+    if spec.total != len(seq):
+        raise PartitionError(
+            f"model and sum of balance have different length (model: {len(seq)} layers, "
+            f"sum of balance: {spec.total}): make the balance add up to {len(seq)}"
+        )
+    return seq[spec.start:spec.stop]
+
+
+def _all_names(job) -> list[str]:
+    return [n for item in job.stages for n in ((item,) if isinstance(item, str) else item)]
+
+
+def _build_model(job) -> nn.Module:
+    if job.model is None:
+        raise PartitionError("stages given by name or Split need Job(model=<factory>) to build the model from")
+    torch.manual_seed(job.seed)
+    model = job.model()
+    if not isinstance(model, nn.Module):
+        raise PartitionError(f"Job(model=...) must return an nn.Module, got {type(model).__name__}")
+    return model
+
+
+def _as_sequential(model: nn.Module) -> nn.Sequential:
+    if not isinstance(model, nn.Sequential):
+        raise PartitionError(
+            f"Split(...) cuts an nn.Sequential, got {type(model).__name__}: declare stages by "
+            f"submodule names instead, or return an nn.Sequential from the model factory"
+        )
+    return model
+
+
+def _label(item: Any) -> str:
+    if isinstance(item, nn.Module):
+        return type(item).__name__
+    return getattr(item, "__name__", type(item).__name__)

@@ -1,0 +1,149 @@
+"""The master side: a model cut into stages that live on other processes.
+
+Runs inside an initialised RPC world (see :mod:`rpcmp.runtime`)::
+
+    pipe = Pipeline(job, world_size=3)       # builds each stage on its owner
+    loss = pipe.train_step(x, y)             # M micro-batches, dist autograd, optimizer step
+    out = pipe.predict(x)                    # no autograd anywhere
+    state = pipe.state_dict()                # keys of the unsplit model
+
+See [Note: why activations skip the master] in :mod:`rpcmp.stage`.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.optim import DistributedOptimizer
+
+from . import stage as _stage
+from .errors import StageError
+from .microbatch import batch_size, gather, scatter
+from .partition import StageSpec, plan_stages
+from .placement import Place, resolve_placement
+
+__all__ = ["Pipeline"]
+
+_PIPELINE_IDS = itertools.count()
+
+
+class Pipeline:
+    """A model split into stages, each owned by the process its placement names."""
+
+    def __init__(self, job, world_size: int, *, microbatches: int | None = None,
+                 optimizer: tuple | None = None, sample: Any = None):
+        self.job = job
+        self.microbatches = microbatches or job.microbatches
+        self.specs: list[StageSpec] = plan_stages(job, sample)
+        self.places: list[Place] = resolve_placement(job.placement, len(self.specs), world_size)
+        self.pid = next(_PIPELINE_IDS)
+        self._seq = 0
+        futs = []
+        for i, (spec, place) in enumerate(zip(self.specs, self.places)):
+            nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
+            futs.append(rpc.rpc_async(place.process, _stage._build,
+                                      args=(self.pid, spec, place, nxt, job.rpc_timeout)))
+        self.param_rrefs = [r for refs in _wait_all(futs) for r in refs]
+        cls, kwargs = optimizer or job.optimizer
+        self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
+
+    # -- running micro-batches ------------------------------------------------
+    def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any:
+        """Run ``x`` through every stage as M micro-batches; return the gathered output.
+
+        With ``grad=True`` this must run inside a ``dist_autograd.context()``.
+        """
+        parts = scatter(x, chunks or self.microbatches)
+        first = self.places[0].process
+        seqs = list(range(self._seq, self._seq + len(parts)))
+        self._seq += len(parts)
+        futs = [rpc.rpc_async(first, _stage._forward, args=(self.pid, 0, s, p, grad))
+                for s, p in zip(seqs, parts)]
+        try:
+            _wait_all(futs)
+        except Exception:
+            for s in seqs:
+                _stage._INBOX.pop((self.pid, s), None)
+            self._resync()
+            raise
+        return gather([_stage._take(self.pid, s) for s in seqs])
+
+    def train_step(self, x: Any, y: Any) -> torch.Tensor:
+        """One optimizer step on batch ``(x, y)``; returns the loss (detached)."""
+        with dist_autograd.context() as ctx:
+            out = self.forward(x, grad=True)
+            loss = self.job.loss(out, y)
+            dist_autograd.backward(ctx, [loss])
+            if self.optimizer is not None:
+                self.optimizer.step(ctx)
+        return loss.detach()
+
+    @torch.no_grad()
+    def predict(self, x: Any) -> Any:
+        """Forward without autograd on any stage (call :meth:`eval` first for inference)."""
+        return self.forward(x, grad=False, chunks=min(self.microbatches, batch_size(x)))
+
+    # -- state ------------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Pipeline":
+        self._each(_stage._set_training, mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The consolidated state of every stage, keyed as in the unsplit model."""
+        state: dict[str, torch.Tensor] = {}
+        for part in self._each(_stage._state_dict):
+            state.update(part)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._each(_stage._load_state_dict, state)
+
+    def stats(self) -> list[dict[str, float]]:
+        return self._each(_stage._stats)
+
+    def close(self) -> None:
+        """Drop the stages on their owners (the processes stay up)."""
+        owners = {p.process for p in self.places}
+        _wait_all([rpc.rpc_async(o, _stage._release, args=(self.pid,)) for o in owners])
+        self.optimizer = None
+        self.param_rrefs = []
+
+    def _each(self, fn, *args) -> list:
+        return _wait_all([rpc.rpc_async(p.process, fn, args=(self.pid, i) + args)
+                          for i, p in enumerate(self.places)])
+
+    def _resync(self) -> None:
+        try:
+            self._each(_stage._resync, self._seq)
+        except Exception:  # the original error is the one worth reporting
+            pass
+
+
+def _wait_all(futs) -> list:
+    """Wait for every future; raise the first error after all have settled."""
+    results, error = [], None
+    for fut in futs:
+        try:
+            results.append(fut.wait())
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            results.append(None)
+            error = error or exc
+    if error is not None:
+        raise _unwrap(error)
+    return results
+
+
+def _unwrap(exc: Exception) -> Exception:
+    """RPC re-raises remote errors with the remote traceback in the message; keep it, type it."""
+    if isinstance(exc, StageError):
+        return exc
+    text = str(exc)
+    if "StageError" in text or "stage " in text:
+        return StageError(text)
+    return exc

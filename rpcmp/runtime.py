@@ -1,0 +1,194 @@
+"""Process roles and the RPC world: one place that starts and stops it.
+
+Every process runs :func:`run_rank`: it imports the job, sets its thread count,
+joins the TensorPipe RPC world as ``master`` (rank 0) or ``worker{rank}``, and then
+either drives (rank 0 calls ``main(pipeline_factory)``) or serves stages until the
+master shuts the world down. :func:`launch_local` starts N such processes on this
+machine, bound to loopback only, with a free port chosen by the parent.
+"""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+
+from . import stage as _stage
+from .job import Job, load_job
+from .placement import MASTER, process_name
+
+__all__ = ["run_rank", "launch_local", "free_port", "default_threads"]
+
+_SHUTDOWN_TIMEOUT = 30.0
+
+
+def default_threads(local_procs: int) -> int:
+    """Intra-op threads per process: the node's cores shared by its processes."""
+    return max(1, (os.cpu_count() or 1) // max(1, local_procs))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _quiet() -> None:
+    # DistributedOptimizer's functional optimizers warn on every construction with a forced
+    # "always" filter (torch/distributed/optim/_deprecation_warning.py); drop just that line.
+    show = warnings.showwarning
+    if getattr(show, "_rpcmp", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "support for functional optimizers is deprecated" not in str(message):
+            show(message, category, filename, lineno, file, line)
+
+    showwarning._rpcmp = True
+    warnings.showwarning = showwarning
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    warnings.filterwarnings("ignore", message=".*Creating the optimizer.*")
+
+
+def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptions:
+    # Threads: each in-flight micro-batch may hold one RPC thread per stage while it waits its turn.
+    threads = max(16, 4 * job.microbatches + 8)
+    return rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=threads,
+        rpc_timeout=job.rpc_timeout,
+        _transports=[job.transport],
+        _channels=["basic"],
+    )
+
+
+def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int], Any] | None = None,
+             overrides: dict | None = None, local_procs: int | None = None) -> Any:
+    """Run one process of a job. Rank 0 calls ``main(job, world_size)`` and returns its result.
+
+    ``MASTER_ADDR`` / ``MASTER_PORT`` must be set (torchrun and :func:`launch_local` do).
+    """
+    _quiet()
+    job = load_job(job_path, overrides=overrides)
+    local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(job.threads or default_threads(local))
+    _stage.set_job(job)
+    rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size,
+                 rpc_backend_options=_backend_options(job, world_size))
+    result, error = None, None
+    try:
+        if rank == 0 and main is not None:
+            result = main(job, world_size)
+    except BaseException as exc:  # shut the world down, then re-raise
+        error = exc
+    finally:
+        _shutdown(graceful=error is None)
+    if error is not None:
+        raise error
+    return result
+
+
+def _shutdown(graceful: bool) -> None:
+    try:
+        rpc.shutdown(graceful=graceful, timeout=_SHUTDOWN_TIMEOUT) if graceful else rpc.shutdown(graceful=False)
+    except Exception as exc:  # noqa: BLE001 - a peer already gone must not hang or mask the real error
+        print(f"rpcmp: RPC shutdown: {exc}", file=sys.stderr)
+
+
+def _watch_parent(parent: int) -> None:
+    """A local worker exits if its launcher dies, so nothing is left behind."""
+    def loop():
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+    threading.Thread(target=loop, daemon=True, name="rpcmp-parent-watch").start()
+
+
+def _local_child(job_path, rank, world_size, port, overrides, main, results, parent):
+    _watch_parent(parent)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
+    try:
+        out = run_rank(job_path, rank, world_size, main, overrides, local_procs=world_size)
+        if results is not None:
+            buf = io.BytesIO()
+            torch.save(out, buf)  # bytes, not shared-memory handles that die with this process
+            results.put(("ok", buf.getvalue()))
+    except BaseException as exc:
+        if results is not None:
+            results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], overrides: dict | None = None,
+                 timeout: float | None = None, master_in_process: bool = True) -> Any:
+    """Run a job on ``nprocs`` processes of this machine; return ``main``'s result.
+
+    The master runs in this process by default (so progress shows in this terminal);
+    with ``master_in_process=False`` it runs in a child too and its result comes back
+    through a queue (tests use this so every test gets fresh processes).
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    results = None if master_in_process else ctx.Queue()
+    first = 1 if master_in_process else 0
+    procs = []
+    for rank in range(first, nprocs):
+        p = ctx.Process(target=_local_child, name=process_name(rank),
+                        args=(job_path, rank, nprocs, port, overrides, main if rank == 0 else None,
+                              results if rank == 0 else None, os.getpid()))
+        p.start()
+        procs.append(p)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        if master_in_process:
+            saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                              TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
+            try:
+                result = run_rank(job_path, 0, nprocs, main, overrides, local_procs=nprocs)
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        else:
+            result = _wait_result(results, procs, deadline)
+        for p in procs:
+            p.join(None if deadline is None else max(1.0, deadline - time.monotonic()))
+        bad = [(p.name, p.exitcode) for p in procs if p.exitcode not in (0, None)]
+        if bad:
+            raise RuntimeError(f"local processes exited with errors: {bad}")
+        if any(p.is_alive() for p in procs):
+            raise TimeoutError(f"local processes still running after {timeout}s: "
+                               f"{[p.name for p in procs if p.is_alive()]}")
+        return result
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _wait_result(results, procs, deadline):
+    import queue
+    while True:
+        try:
+            status, value = results.get(timeout=0.5)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the master did not finish in time; processes were killed") from None
+            dead = [(p.name, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+            if procs[0].exitcode is not None and results.empty():
+                raise RuntimeError(f"the master exited with code {procs[0].exitcode} without a result; others: {dead}")
+            continue
+        if status == "error":
+            raise RuntimeError(f"the master failed:\n{value}")
+        return torch.load(io.BytesIO(value), weights_only=False)

@@ -1,0 +1,170 @@
+"""The owner side of a stage: build it, run micro-batches in order, forward the result.
+
+[Note: why activations skip the master]
+The master sends micro-batch m to stage 0 only. Each stage runs it and calls the next
+stage's owner itself (``rpc_async`` from inside :func:`_forward`); the last stage
+hands its output to the master (:func:`_deliver`), which computes the loss. All of
+this happens inside the master's distributed-autograd context, which RPC carries
+along, so ``dist_autograd.backward`` sends each gradient straight back along the
+same hops: stage to stage, never via the master. ``_forward`` is an
+``async_execution`` function: it returns the downstream future, so the RPC thread is
+free at once, errors travel back to the master, and stage k works on micro-batch
+m + 1 while stage k + 1 works on m (GPipe fill and drain).
+
+Micro-batches are numbered by the master (``seq``); a stage runs them strictly in
+that order, whatever order RPC threads pick them up in, so BatchNorm statistics and
+timings are deterministic.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from .errors import StageError
+from .microbatch import check_tensors, to_device
+from .partition import StageSpec, build_stage
+from .placement import MASTER, Place, check_device
+
+__all__: list[str] = []  # everything here is called over RPC by rpcmp.pipeline
+
+_JOB = None  # the Job this process imported (set by rpcmp.runtime)
+_HOSTS: dict[tuple[int, int], "_StageHost"] = {}
+_INBOX: dict[tuple[int, int], Any] = {}  # (pipeline id, seq) -> last stage output, on the master
+
+
+def set_job(job) -> None:
+    global _JOB
+    _JOB = job
+    _HOSTS.clear()
+    _INBOX.clear()
+
+
+@dataclass
+class _StageHost:
+    pid: int
+    spec: StageSpec
+    place: Place
+    module: torch.nn.Module
+    device: torch.device
+    next_process: str | None  # owner of the next stage; None: this is the last stage
+    keep_on_device: bool
+    timeout: float
+    next_seq: int = 0
+    compute_s: float = 0.0
+    runs: int = 0
+    turn: threading.Condition = field(default_factory=threading.Condition)
+
+    def run(self, seq: int, x: Any, grad: bool) -> Any:
+        with self.turn:
+            if not self.turn.wait_for(lambda: self.next_seq >= seq, timeout=self.timeout):
+                raise StageError(
+                    f"stage {self.spec.index} ({self.spec.name}) on {self.place.process} waited "
+                    f"{self.timeout:.0f}s for micro-batch {self.next_seq} before {seq}; an earlier "
+                    f"micro-batch was lost upstream"
+                )
+        try:
+            start = time.perf_counter()
+            x = to_device(x, self.device, non_blocking=True)
+            with torch.set_grad_enabled(grad):
+                y = self.module(x)
+            check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
+            if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
+                y = to_device(y, torch.device("cpu"))
+            self.compute_s += time.perf_counter() - start
+            self.runs += 1
+            return y
+        finally:
+            with self.turn:
+                self.next_seq = max(self.next_seq, seq + 1)
+                self.turn.notify_all()
+
+
+def _whoami() -> str:
+    return rpc.get_worker_info().name
+
+
+def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float):
+    """Build stage ``spec`` here; return RRefs of its parameters for the DistributedOptimizer."""
+    try:
+        device = check_device(place)
+        module = build_stage(_JOB, spec).to(device)
+    except Exception as exc:
+        raise StageError(
+            f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}\n"
+            f"{traceback.format_exc()}"
+        ) from None
+    keep = bool(_JOB.device_maps)
+    _HOSTS[(pid, spec.index)] = _StageHost(pid, spec, place, module, device, next_process, keep, timeout)
+    return [rpc.RRef(p) for p in module.parameters() if p.requires_grad]
+
+
+@rpc.functions.async_execution
+def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures.Future:
+    host = _HOSTS[(pid, index)]
+    try:
+        y = host.run(seq, x, grad)
+    except Exception as exc:
+        fut = torch.futures.Future()
+        where = f"stage {index} ({host.spec.name}) on {host.place}"
+        msg = str(exc) if isinstance(exc, StageError) else (
+            f"{where} failed on micro-batch {seq}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        fut.set_exception(StageError(msg))
+        return fut
+    if host.next_process is not None:
+        return rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
+    if _whoami() == MASTER:
+        return _deliver(pid, seq, y, _now=True)
+    return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
+
+
+def _deliver(pid: int, seq: int, y: Any, _now: bool = False):
+    _INBOX[(pid, seq)] = y
+    if _now:
+        fut = torch.futures.Future()
+        fut.set_result(None)
+        return fut
+    return None
+
+
+def _take(pid: int, seq: int) -> Any:
+    return _INBOX.pop((pid, seq))
+
+
+def _set_training(pid: int, index: int, mode: bool) -> None:
+    _HOSTS[(pid, index)].module.train(mode)
+
+
+def _resync(pid: int, index: int, next_seq: int) -> None:
+    host = _HOSTS[(pid, index)]
+    with host.turn:
+        host.next_seq = next_seq
+        host.turn.notify_all()
+
+
+def _state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:
+    """This stage's parameters and buffers, keyed as in the unsplit model, on the CPU."""
+    host = _HOSTS[(pid, index)]
+    return {host.spec.prefix + k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()}
+
+
+def _load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> None:
+    host = _HOSTS[(pid, index)]
+    own = {k: state[host.spec.prefix + k] for k in host.module.state_dict() if host.spec.prefix + k in state}
+    host.module.load_state_dict(own, strict=True)
+
+
+def _stats(pid: int, index: int) -> dict[str, float]:
+    host = _HOSTS[(pid, index)]
+    return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid()}
+
+
+def _release(pid: int) -> None:
+    for key in [k for k in _HOSTS if k[0] == pid]:
+        del _HOSTS[key]
