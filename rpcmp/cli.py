@@ -39,7 +39,7 @@ def job_options(fn):
         try:
             return fn(**kw)
         except RpcmpError as exc:
-            Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+            Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             sys.exit(2)
     return wrapper
 

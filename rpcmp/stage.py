@@ -110,13 +110,13 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     host = _HOSTS[(pid, index)]
     try:
         y = host.run(seq, x, grad)
+    except StageError:
+        raise
     except Exception as exc:
-        fut = torch.futures.Future()
-        where = f"stage {index} ({host.spec.name}) on {host.place}"
-        msg = str(exc) if isinstance(exc, StageError) else (
-            f"{where} failed on micro-batch {seq}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-        fut.set_exception(StageError(msg))
-        return fut
+        # Raise, not Future.set_exception: RPC would deliver an exception set on the
+        # returned future as a plain value, and the master would never see it fail.
+        raise StageError(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
+                         f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
     if host.next_process is not None:
         return rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
     if _whoami() == MASTER:

@@ -1,0 +1,48 @@
+"""Toy models and the one helper every integration test uses to start real processes."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from rpcmp.job import load_job
+
+from rpcmp.runtime import launch_local
+
+JOBS = os.path.join(os.path.dirname(__file__), "jobs")
+
+
+def job_path(name: str) -> str:
+    return os.path.join(JOBS, name + ".py")
+
+
+def load(name: str):
+    return load_job(job_path(name))
+
+
+def run_ranks(job: str, nprocs: int, main, overrides: dict | None = None, timeout: float = 180):
+    """Start ``nprocs`` fresh processes (master included) for ``job``; return ``main``'s result.
+
+    Every process is killed if the run outlives ``timeout``: a hang is a failure.
+    """
+    return launch_local(job_path(job), nprocs, main, overrides=overrides, timeout=timeout, master_in_process=False)
+
+
+def batches(steps: int, size: int = 8, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 16, generator=g), torch.randn(size, 8, generator=g)) for _ in range(steps)]
+
+
+def train_reference(model: nn.Module, optimizer: tuple, loss_fn, data) -> tuple[list[float], dict]:
+    """The same training in one process with plain PyTorch: the yardstick of transparency."""
+    cls, kwargs = optimizer
+    opt = cls(model.parameters(), **kwargs)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()

@@ -1,0 +1,47 @@
+"""The two ways to launch a job on one machine, end to end, as a user runs them."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import job_path
+
+pytestmark = pytest.mark.integration
+BIN = os.path.dirname(sys.executable)
+
+
+def _run(cmd, timeout=240):
+    env = {**os.environ, "COLUMNS": "160"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _check_trained(proc):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    m = re.search(r"steps (\d+)\s+loss ([\d.]+) -> ([\d.]+)", out)
+    assert m, out
+    assert int(m.group(1)) == 24 and float(m.group(3)) < float(m.group(2))
+    before, after = map(float, re.search(r"held-out -MSE: ([-\d.]+) -> ([-\d.]+)", out).groups())
+    assert after > before
+
+
+@pytest.mark.timeout(300)
+def test_rpcmp_run_local():
+    _check_trained(_run([os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--max-steps", "24"]))
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_three_ranks():
+    proc = _run([os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=3", "-m", "rpcmp.master",
+                 job_path("mlp"), "--max-steps", "24"])
+    _check_trained(proc)
+
+
+@pytest.mark.timeout(60)
+def test_master_outside_torchrun_says_how_to_launch():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "rpcmp.master", job_path("mlp")], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "runs under torchrun" in proc.stderr

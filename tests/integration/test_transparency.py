@@ -1,0 +1,56 @@
+"""Transparency: training through rpcmp == training the unsplit model in one process.
+
+Real processes, real TensorPipe RPC, distributed autograd and DistributedOptimizer.
+One process tree per stage count runs every (micro-batches, optimizer) case, each on a
+fresh Pipeline, so the matrix stays fast.
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import rpcmp
+from helpers import batches, load, run_ranks, train_reference
+
+pytestmark = pytest.mark.integration
+
+STEPS = 3
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.01})}
+SPLITS = {2: [3, 4], 3: [2, 3, 2]}
+CASES = [(m, opt) for m in (1, 2, 4) for opt in OPTIMIZERS]
+
+
+def _train_all(job, world_size):
+    results = {}
+    data = batches(STEPS)
+    for stages, balance in SPLITS.items():
+        variant = dataclasses.replace(job, stages=rpcmp.Split(balance))
+        for m, opt in CASES:
+            pipe = rpcmp.Pipeline(variant, world_size, microbatches=m, optimizer=OPTIMIZERS[opt])
+            first_out = pipe.predict(data[0][0])
+            losses = [pipe.train_step(x, y).item() for x, y in data]
+            results[(stages, m, opt)] = (first_out, losses, pipe.state_dict(), [str(p) for p in pipe.places])
+            pipe.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def split_runs():
+    return run_ranks("mlp", 3, _train_all, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stages", sorted(SPLITS))
+@pytest.mark.parametrize("m,opt", CASES)
+def test_split_training_matches_one_process(split_runs, stages, m, opt):
+    job = load("mlp")
+    torch.manual_seed(job.seed)
+    model = job.model()
+    first_out = model(batches(1)[0][0]).detach()
+    ref_losses, ref_state = train_reference(model, OPTIMIZERS[opt], job.loss, batches(STEPS))
+    out, losses, state, places = split_runs[(stages, m, opt)]
+    assert len(places) == stages and len(set(p.split("/")[0] for p in places)) == stages
+    torch.testing.assert_close(out, first_out)
+    torch.testing.assert_close(losses[0], ref_losses[0])
+    torch.testing.assert_close(losses, ref_losses)
+    torch.testing.assert_close(state, ref_state)

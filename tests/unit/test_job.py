@@ -1,0 +1,49 @@
+import pytest
+import torch
+
+import rpcmp
+from rpcmp.errors import JobError
+from rpcmp.job import load_job
+
+
+def write(tmp_path, text, name="job.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_job_and_override(tmp_path):
+    path = write(tmp_path, "import rpcmp, torch\njob = rpcmp.Job(stages=[torch.nn.Linear(1, 1)], batch_size=4)\n")
+    job = load_job(path, overrides={"microbatches": 2})
+    assert job.microbatches == 2 and job.source == path
+    with pytest.raises(JobError, match=r"unknown Job settings \['micro'\]"):
+        load_job(path, overrides={"micro": 2})
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(JobError, match="does not exist"):
+        load_job(str(tmp_path / "nope.py"))
+
+
+def test_job_that_does_not_import(tmp_path):
+    path = write(tmp_path, "import rpcmp\nraise RuntimeError('boom at import')\n", "broken.py")
+    with pytest.raises(JobError, match="failed to import: RuntimeError: boom at import"):
+        load_job(path)
+
+
+def test_job_file_without_job(tmp_path):
+    path = write(tmp_path, "import rpcmp, torch\ntrain = rpcmp.Job(stages=[torch.nn.Linear(1, 1)])\n", "nojob.py")
+    with pytest.raises(JobError, match=r"has no Job named 'job'.*named \['train'\]"):
+        load_job(path)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("batch_size", 0, "batch_size must be a positive integer"),
+    ("microbatches", 9, r"microbatches \(9\) is larger than Job.batch_size \(8\)"),
+    ("transport", "ib", "transport must be one of"),
+    ("optimizer", ("sgd", {}), "torch.optim.<Class>"),
+    ("max_steps", 0, "max_steps must be None or a positive integer"),
+])
+def test_job_validation(field, value, match):
+    with pytest.raises(JobError, match=match):
+        rpcmp.Job(stages=[torch.nn.Linear(1, 1)], **{field: value})

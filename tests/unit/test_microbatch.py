@@ -1,0 +1,45 @@
+from collections import namedtuple
+
+import pytest
+import torch
+
+from rpcmp.errors import MicroBatchError, StageOutputError
+from rpcmp.microbatch import batch_size, check_tensors, gather, scatter
+
+
+def test_tensor_round_trip_uneven():
+    x = torch.arange(10).view(5, 2)
+    parts = scatter(x, 3)
+    assert [p.shape[0] for p in parts] == [2, 2, 1]
+    assert torch.equal(gather(parts), x)
+
+
+def test_nested_list_dict_tuple_round_trip():
+    Pair = namedtuple("Pair", "a b")
+    batch = {"feats": [torch.randn(6, 3), torch.randn(6, 2, 2)], "pair": Pair(torch.ones(6), 7), "tag": "x"}
+    parts = scatter(batch, 4)
+    assert len(parts) == 4 and parts[3]["tag"] == "x" and parts[0]["pair"].b == 7
+    assert isinstance(parts[0]["pair"], Pair) and isinstance(parts[0]["feats"], list)
+    merged = gather(parts)
+    torch.testing.assert_close(merged["feats"][1], batch["feats"][1])
+    torch.testing.assert_close(merged["pair"].a, batch["pair"].a)
+
+
+def test_batch_smaller_than_microbatches_says_how_to_fix():
+    with pytest.raises(MicroBatchError, match=r"batch of 3 samples cannot be split into 4 micro-batches.*microbatches <= 3"):
+        scatter(torch.zeros(3, 1), 4)
+
+
+def test_mismatched_dim0_and_no_tensor():
+    with pytest.raises(MicroBatchError, match=r"share dim 0, got sizes \[2, 3\]"):
+        batch_size([torch.zeros(2), torch.zeros(3)])
+    with pytest.raises(MicroBatchError, match="at least one tensor"):
+        batch_size({"a": 1})
+    with pytest.raises(MicroBatchError, match="microbatches >= 1"):
+        scatter(torch.zeros(2), 0)
+
+
+def test_check_tensors_names_the_bad_leaf():
+    check_tensors([torch.zeros(1), {"a": torch.zeros(1)}], "out")
+    with pytest.raises(StageOutputError, match=r"out\[1\]\['a'\] is a float"):
+        check_tensors([torch.zeros(1), {"a": 1.0}], "out")
