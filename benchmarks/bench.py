@@ -1,0 +1,243 @@
+"""rpcmp against what a user would otherwise run, same stages, data and cores, in one run.
+
+    make bench            # or: .venv/bin/python benchmarks/bench.py [--quick]
+
+Every figure is the median step time of several steps after warm-up; every process
+sets its intra-op thread count explicitly; ratios compare figures from this one run.
+Writes bench-results/bench.json and prints a rich table.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+
+import click
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from rich.console import Console
+from rich.table import Table
+
+import rpcmp
+from rpcmp.runtime import free_port, launch_local
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOBS = os.path.join(HERE, "jobs")
+sys.path.insert(0, JOBS)
+import bench_models as bm  # noqa: E402
+
+WARMUP, STEPS = 2, 5
+
+
+def median_time(step, warmup=WARMUP, steps=STEPS) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def mlp_data(batch=256):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, 1024, generator=g), torch.randn(batch, 1024, generator=g)
+
+
+def unet_data(batch=16, size=128):
+    g = torch.Generator().manual_seed(0)
+    return torch.rand(batch, 1, size, size, generator=g), (torch.rand(batch, 1, size, size, generator=g) > 0.5).float()
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- rpcmp -----------------------------------------------------------------------
+def _rpcmp_mlp(job, world):
+    x, y = mlp_data()
+    out = {}
+    for m in (1, 4, 8):
+        pipe = rpcmp.Pipeline(job, world, microbatches=m)
+        out[m] = median_time(lambda: pipe.train_step(x, y))
+        pipe.close()
+    return out
+
+
+def _rpcmp_unet(job, world):
+    x, y = unet_data()
+    pipe = rpcmp.Pipeline(job, world)
+    return median_time(lambda: pipe.train_step(x, y))
+
+
+def _rpcmp_hops(job, world):
+    pipe = rpcmp.Pipeline(job, world)
+    x = torch.ones(1, 4, requires_grad=True)
+    t = median_time(lambda: pipe.train_step(x, None), warmup=20, steps=200)
+    return t / (len(pipe.specs) + 1)  # master -> s0 -> s1 -> s2 -> master: 4 hops each way
+
+
+def _rpcmp_unet_memory(job, world):
+    x, y = unet_data(8, 256)
+    pipe = rpcmp.Pipeline(job, world, microbatches=4)
+    for _ in range(2):
+        pipe.train_step(x, y)
+    procs = [f"worker{r}" for r in range(1, world)]
+    return {"master": peak_rss_mib(), **{p: rpc.rpc_sync(p, peak_rss_mib) for p in procs}}
+
+
+# -- one process ----------------------------------------------------------------------
+def _one_process(kind, threads, queue):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = bm.mlp() if kind == "mlp" else bm.unet()
+    loss_fn = bm.mse if kind == "mlp" else bm.bce
+    x, y = mlp_data() if kind == "mlp" else unet_data(8, 256) if kind == "unet-memory" else unet_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    if kind == "unet-memory":
+        step(), step()
+        queue.put(peak_rss_mib())
+    else:
+        queue.put(median_time(step))
+
+
+# -- torch.distributed.pipelining -----------------------------------------------------
+def _pipelining(rank, port, queue):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    full = bm.mlp()
+    module = full[:8] if rank == 0 else full[8:]
+    x, y = mlp_data()
+    out = {}
+    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        for m in (1, 4, 8):
+            if name == "1f1b" and m < 2:
+                continue  # 1F1B needs at least as many micro-batches as stages
+            stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+            sched = cls(stage, n_microbatches=m, loss_fn=bm.mse)
+            opt = torch.optim.SGD(module.parameters(), lr=0.01)
+
+            def step():
+                opt.zero_grad()
+                sched.step(x) if rank == 0 else sched.step(target=y)
+                opt.step()
+                dist.barrier()
+            out[(name, m)] = median_time(step)
+    if rank == 0:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+# -- hand-written RPC: RemoteModules called one after the other from the master ----
+def _hand_rpc(rank, port, queue):
+    from torch.distributed.nn import RemoteModule
+    from torch.distributed.optim import DistributedOptimizer
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
+    opts = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
+    rpc.init_rpc("master" if rank == 0 else f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
+    if rank == 0:
+        enc = RemoteModule("worker1/cpu", bm.Part, args=("encoder",))
+        dec = RemoteModule("worker2/cpu", bm.Part, args=("decoder",))
+        head = bm.Part("segmentation_head")
+        params = enc.remote_parameters() + dec.remote_parameters() + [rpc.RRef(p) for p in head.parameters()]
+        opt = DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+        x, y = unet_data()
+
+        def step():
+            with dist_autograd.context() as ctx:
+                loss = bm.bce(head(dec.forward(enc.forward(x))), y)
+                dist_autograd.backward(ctx, [loss])
+                opt.step(ctx)
+        queue.put(median_time(step))
+    rpc.shutdown()
+
+
+def spawn(target, nprocs, *args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, port, queue) + args) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=900)
+    for p in procs:
+        p.join(120)
+    return result
+
+
+def one_process(kind, threads):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_one_process, args=(kind, threads, queue))
+    p.start()
+    result = queue.get(timeout=900)
+    p.join(60)
+    return result
+
+
+@click.command()
+@click.option("--out", default="bench-results/bench.json", show_default=True)
+def main(out):
+    console = Console()
+    res = {}
+    console.print("[bold]MLP 8x Linear(1024,1024)+ReLU, batch 256, 2 stages on 2 processes, 1 thread each")
+    res["rpcmp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
+    res["pipelining_mlp"] = {f"{k[0]}_m{k[1]}": v for k, v in spawn(_pipelining, 2).items()}
+    res["one_process_mlp"] = {t: one_process("mlp", t) for t in (1, 2)}
+    console.print("[bold]split Unet (resnet34), batch 16 of 1x128x128, 3 stages on 3 processes, M = 4")
+    res["rpcmp_unet"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False)
+    res["hand_rpc_unet"] = spawn(_hand_rpc, 3)
+    console.print("[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers")
+    res["hop_s"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False)
+    console.print("[bold]peak memory: split Unet vs one process, batch 8 of 1x256x256, SGD")
+    res["unet_memory_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
+    res["one_process_unet_memory_mib"] = one_process("unet-memory", 1)
+    report(console, res)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2, default=str)
+    console.print(f"wrote {out}")
+
+
+def report(console, res):
+    pipe = res["pipelining_mlp"]
+    one = min(res["one_process_mlp"].values())
+    table = Table(title="rpcmp benchmarks (median step time; ratio < 1 means rpcmp is faster)")
+    for col in ("comparison", "rpcmp", "peer", "ratio rpcmp/peer"):
+        table.add_column(col, justify="left" if col == "comparison" else "right")
+    for m in (1, 4, 8):
+        ours = res["rpcmp_mlp"][m]
+        peers = [pipe[k] for k in (f"gpipe_m{m}", f"1f1b_m{m}") if k in pipe]
+        best = min(peers)
+        table.add_row(f"MLP M={m} vs best of pipelining GPipe/1F1B", f"{ours * 1e3:.0f} ms", f"{best * 1e3:.0f} ms", f"{ours / best:.2f}")
+        table.add_row(f"MLP M={m} vs one process (best of 1, 2 threads)", f"{ours * 1e3:.0f} ms", f"{one * 1e3:.0f} ms", f"{ours / one:.2f}")
+    ours, hand = res["rpcmp_unet"], res["hand_rpc_unet"]
+    table.add_row("split Unet M=4 vs hand-written RemoteModule RPC", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
+                  f"{ours / hand:.2f} (throughput x{hand / ours:.2f})")
+    table.add_row("overhead per hop, forward + backward", f"{res['hop_s'] * 1e3:.3f} ms", "", "")
+    mem = res["unet_memory_mib"]
+    largest = max(mem.values())
+    table.add_row("peak RSS, largest split-Unet process vs one process", f"{largest:.0f} MiB",
+                  f"{res['one_process_unet_memory_mib']:.0f} MiB", f"{largest / res['one_process_unet_memory_mib']:.2f}")
+    console.print(table)
+    console.print("per-process peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in mem.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Job files for the benchmarks: each process of a run imports one of these."""
+import segmentation_models_pytorch as smp
+import torch
+from torch import nn
+
+import rpcmp
+
+
+def mlp():
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def unet():
+    return smp.Unet("resnet34", encoder_weights=None, in_channels=1, classes=1)
+
+
+def mse(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+def bce(out, y):
+    return nn.functional.binary_cross_entropy_with_logits(out, y)
+
+
+class Part(nn.Module):
+    """One named part of the seeded Unet, for the hand-written RemoteModule baseline."""
+
+    def __init__(self, name):
+        super().__init__()
+        torch.manual_seed(0)
+        self.part = getattr(unet(), name)
+
+    def forward(self, x):
+        return self.part(x)
+
+
+SGD = (torch.optim.SGD, {"lr": 0.01})
