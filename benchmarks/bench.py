@@ -32,7 +32,7 @@ JOBS = os.path.join(HERE, "jobs")
 sys.path.insert(0, JOBS)
 import bench_models as bm  # noqa: E402
 
-WARMUP, STEPS = 2, 5
+WARMUP, STEPS = 3, 9
 
 
 def median_time(step, warmup=WARMUP, steps=STEPS) -> float:
@@ -64,7 +64,7 @@ def peak_rss_mib() -> float:
 def _rpcmp_mlp(job, world):
     x, y = mlp_data()
     out = {}
-    for m in (1, 4, 8):
+    for m in ((1, 4, 8) if job.transport == "uv" and job.schedule == "overlap" else (4,)):
         pipe = rpcmp.Pipeline(job, world, microbatches=m)
         out[m] = median_time(lambda: pipe.train_step(x, y))
         pipe.close()
@@ -198,13 +198,21 @@ def main(out):
     res = {}
     console.print("[bold]MLP 8x Linear(1024,1024)+ReLU, batch 256, 2 stages on 2 processes, 1 thread each")
     res["rpcmp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
+    res["rpcmp_mlp_shm"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
+                                        overrides={"transport": "shm"})
+    res["rpcmp_mlp_gpipe"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
+                                          overrides={"schedule": "gpipe"})
     res["pipelining_mlp"] = {f"{k[0]}_m{k[1]}": v for k, v in spawn(_pipelining, 2).items()}
     res["one_process_mlp"] = {t: one_process("mlp", t) for t in (1, 2)}
     console.print("[bold]split Unet (resnet34), batch 16 of 1x128x128, 3 stages on 3 processes, M = 4")
     res["rpcmp_unet"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False)
+    res["rpcmp_unet_shm"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
+                                         overrides={"transport": "shm"})
     res["hand_rpc_unet"] = spawn(_hand_rpc, 3)
     console.print("[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers")
     res["hop_s"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False)
+    res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
+                                    overrides={"transport": "shm"})
     console.print("[bold]peak memory: split Unet vs one process, batch 8 of 1x256x256, SGD")
     res["unet_memory_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
     res["one_process_unet_memory_mib"] = one_process("unet-memory", 1)
@@ -227,10 +235,17 @@ def report(console, res):
         best = min(peers)
         table.add_row(f"MLP M={m} vs best of pipelining GPipe/1F1B", f"{ours * 1e3:.0f} ms", f"{best * 1e3:.0f} ms", f"{ours / best:.2f}")
         table.add_row(f"MLP M={m} vs one process (best of 1, 2 threads)", f"{ours * 1e3:.0f} ms", f"{one * 1e3:.0f} ms", f"{ours / one:.2f}")
+    for label, key in (("uv, gpipe schedule", "rpcmp_mlp_gpipe"), ("shm transport", "rpcmp_mlp_shm")):
+        ours = res[key][4]
+        table.add_row(f"MLP M=4, {label} vs default (uv, overlap)", f"{ours * 1e3:.0f} ms",
+                      f"{res['rpcmp_mlp'][4] * 1e3:.0f} ms", f"{ours / res['rpcmp_mlp'][4]:.2f}")
+    table.add_row("split Unet M=4, shm vs uv transport", f"{res['rpcmp_unet_shm'] * 1e3:.0f} ms",
+                  f"{res['rpcmp_unet'] * 1e3:.0f} ms", f"{res['rpcmp_unet_shm'] / res['rpcmp_unet']:.2f}")
     ours, hand = res["rpcmp_unet"], res["hand_rpc_unet"]
     table.add_row("split Unet M=4 vs hand-written RemoteModule RPC", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
                   f"{ours / hand:.2f} (throughput x{hand / ours:.2f})")
-    table.add_row("overhead per hop, forward + backward", f"{res['hop_s'] * 1e3:.3f} ms", "", "")
+    table.add_row("overhead per hop, forward + backward (uv; shm)", f"{res['hop_s'] * 1e3:.3f} ms",
+                  f"{res['hop_s_shm'] * 1e3:.3f} ms", "")
     mem = res["unet_memory_mib"]
     largest = max(mem.values())
     table.add_row("peak RSS, largest split-Unet process vs one process", f"{largest:.0f} MiB",

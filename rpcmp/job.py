@@ -47,6 +47,7 @@ class Job:
     optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.01})
     batch_size: int = 8
     microbatches: int = 1
+    schedule: str = "overlap"  # "overlap": each micro-batch's backward starts when its forward ends; "gpipe"
     epochs: int = 1
     max_steps: int | None = None
     seed: int = 0
@@ -69,6 +70,8 @@ class Job:
             )
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
+        if self.schedule not in ("overlap", "gpipe"):
+            raise JobError(f"Job.schedule must be 'overlap' or 'gpipe', got {self.schedule!r}")
         if self.transport not in _TRANSPORTS:
             raise JobError(f"Job.transport must be one of {_TRANSPORTS}, got {self.transport!r}")
         cls, kwargs = _optimizer(self.optimizer)

@@ -19,7 +19,7 @@ import torch
 
 from .errors import MicroBatchError, StageOutputError
 
-__all__ = ["scatter", "gather", "batch_size", "check_tensors", "to_device"]
+__all__ = ["scatter", "gather", "batch_size", "check_tensors", "to_device", "has_tensors"]
 
 
 def batch_size(batch: Any) -> int:
@@ -30,6 +30,10 @@ def batch_size(batch: Any) -> int:
     if len(sizes) > 1:
         raise MicroBatchError(f"expected every tensor of a batch to share dim 0, got sizes {sorted(sizes)}")
     return sizes.pop()
+
+
+def has_tensors(batch: Any) -> bool:
+    return next(_tensors(batch), None) is not None
 
 
 def scatter(batch: Any, chunks: int) -> list[Any]:

@@ -66,7 +66,7 @@ def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptio
         num_worker_threads=threads,
         rpc_timeout=job.rpc_timeout,
         _transports=[job.transport],
-        _channels=["basic"],
+        _channels=os.environ.get("RPCMP_CHANNELS", "basic").split(","),
     )
 
 

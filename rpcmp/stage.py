@@ -14,6 +14,17 @@ m + 1 while stage k + 1 works on m (GPipe fill and drain).
 Micro-batches are numbered by the master (``seq``); a stage runs them strictly in
 that order, whatever order RPC threads pick them up in, so BatchNorm statistics and
 timings are deterministic.
+
+[Note: one compute thread per stage]
+The RPC handler thread owns the distributed-autograd context (it is thread-local), so
+it receives the input and sends the output; the module itself runs on the stage's one
+compute thread. Autograd numbers graph nodes with a per-thread counter and the
+backward engine runs the highest numbers first; with one thread per stage, micro-batch
+m + 1's nodes all outnumber m's, so backward finishes one micro-batch at a time and
+sends its gradient upstream at once. Run from whichever RPC thread was free, the
+micro-batches' nodes interleave, the engine works on all of them together, and the
+upstream stage sits idle until the last one is done (measured: 141 ms instead of
+~75 ms for the backward of a 2-stage MLP at M = 4).
 """
 from __future__ import annotations
 
@@ -21,10 +32,12 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .errors import StageError
@@ -60,6 +73,12 @@ class _StageHost:
     compute_s: float = 0.0
     runs: int = 0
     turn: threading.Condition = field(default_factory=threading.Condition)
+    compute: ThreadPoolExecutor = field(default=None)
+
+    def __post_init__(self):
+        threads = torch.get_num_threads()
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"rpcmp-stage{self.spec.index}",
+                                          initializer=torch.set_num_threads, initargs=(threads,))
 
     def run(self, seq: int, x: Any, grad: bool) -> Any:
         with self.turn:
@@ -70,20 +89,24 @@ class _StageHost:
                     f"micro-batch was lost upstream"
                 )
         try:
-            start = time.perf_counter()
-            x = to_device(x, self.device, non_blocking=True)
-            with torch.set_grad_enabled(grad):
-                y = self.module(x)
-            check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
-            if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
-                y = to_device(y, torch.device("cpu"))
-            self.compute_s += time.perf_counter() - start
-            self.runs += 1
-            return y
+            # See [Note: one compute thread per stage].
+            return self.compute.submit(self._compute, x, grad).result()
         finally:
             with self.turn:
                 self.next_seq = max(self.next_seq, seq + 1)
                 self.turn.notify_all()
+
+    def _compute(self, x: Any, grad: bool) -> Any:
+        start = time.perf_counter()
+        x = to_device(x, self.device, non_blocking=True)
+        with torch.set_grad_enabled(grad):
+            y = self.module(x)
+        check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
+        if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
+            y = to_device(y, torch.device("cpu"))
+        self.compute_s += time.perf_counter() - start
+        self.runs += 1
+        return y
 
 
 def _whoami() -> str:
@@ -137,6 +160,24 @@ def _take(pid: int, seq: int) -> Any:
     return _INBOX.pop((pid, seq))
 
 
+def _merge_grads(ctx_ids: list[int]) -> None:
+    """Add every context's gradients into the first one's, for one optimizer step.
+
+    ``get_gradients`` hands out the context's own accumulated tensors, so ``add_``
+    updates what the DistributedOptimizer will read from ``ctx_ids[0]``.
+    """
+    base = dist_autograd.get_gradients(ctx_ids[0])
+    for ctx in ctx_ids[1:]:
+        for param, grad in dist_autograd.get_gradients(ctx).items():
+            if param not in base:
+                raise StageError(
+                    f"a parameter of shape {tuple(param.shape)} on {_whoami()} got a gradient from a later "
+                    f"micro-batch but not from the first; use Job(schedule='gpipe') for models whose "
+                    f"micro-batches use different parameters"
+                )
+            base[param].add_(grad)
+
+
 def _set_training(pid: int, index: int, mode: bool) -> None:
     _HOSTS[(pid, index)].module.train(mode)
 
@@ -167,4 +208,4 @@ def _stats(pid: int, index: int) -> dict[str, float]:
 
 def _release(pid: int) -> None:
     for key in [k for k in _HOSTS if k[0] == pid]:
-        del _HOSTS[key]
+        _HOSTS.pop(key).compute.shutdown(wait=False)

@@ -1,8 +1,8 @@
 """Transparency: training through rpcmp == training the unsplit model in one process.
 
 Real processes, real TensorPipe RPC, distributed autograd and DistributedOptimizer.
-One process tree per stage count runs every (micro-batches, optimizer) case, each on a
-fresh Pipeline, so the matrix stays fast.
+One process tree runs every (stages, micro-batches, optimizer, schedule) case, each on
+a fresh Pipeline, so the matrix stays fast.
 """
 import dataclasses
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 STEPS = 3
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.01})}
 SPLITS = {2: [3, 4], 3: [2, 3, 2]}
-CASES = [(m, opt) for m in (1, 2, 4) for opt in OPTIMIZERS]
+CASES = [(m, opt, sched) for m in (1, 2, 4) for opt in OPTIMIZERS for sched in ("overlap", "gpipe")]
 
 
 def _train_all(job, world_size):
@@ -25,11 +25,11 @@ def _train_all(job, world_size):
     data = batches(STEPS)
     for stages, balance in SPLITS.items():
         variant = dataclasses.replace(job, stages=rpcmp.Split(balance))
-        for m, opt in CASES:
-            pipe = rpcmp.Pipeline(variant, world_size, microbatches=m, optimizer=OPTIMIZERS[opt])
+        for m, opt, sched in CASES:
+            pipe = rpcmp.Pipeline(variant, world_size, microbatches=m, optimizer=OPTIMIZERS[opt], schedule=sched)
             first_out = pipe.predict(data[0][0])
             losses = [pipe.train_step(x, y).item() for x, y in data]
-            results[(stages, m, opt)] = (first_out, losses, pipe.state_dict(), [str(p) for p in pipe.places])
+            results[(stages, m, opt, sched)] = (first_out, losses, pipe.state_dict(), [str(p) for p in pipe.places])
             pipe.close()
     return results
 
@@ -41,14 +41,14 @@ def split_runs():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stages", sorted(SPLITS))
-@pytest.mark.parametrize("m,opt", CASES)
-def test_split_training_matches_one_process(split_runs, stages, m, opt):
+@pytest.mark.parametrize("m,opt,sched", CASES)
+def test_split_training_matches_one_process(split_runs, stages, m, opt, sched):
     job = load("mlp")
     torch.manual_seed(job.seed)
     model = job.model()
     first_out = model(batches(1)[0][0]).detach()
     ref_losses, ref_state = train_reference(model, OPTIMIZERS[opt], job.loss, batches(STEPS))
-    out, losses, state, places = split_runs[(stages, m, opt)]
+    out, losses, state, places = split_runs[(stages, m, opt, sched)]
     assert len(places) == stages and len(set(p.split("/")[0] for p in places)) == stages
     torch.testing.assert_close(out, first_out)
     torch.testing.assert_close(losses[0], ref_losses[0])
