@@ -26,13 +26,18 @@ def job_options(fn):
         click.option("--max-steps", type=int, help="Stop after this many optimizer steps (Job.max_steps)."),
         click.option("--threads", type=int, help="Intra-op threads per process (default: cores / processes)."),
         click.option("--transport", type=click.Choice(["uv", "shm"]), help="TensorPipe transport (default uv)."),
+        click.option("--schedule", type=click.Choice(["overlap", "gpipe"]), help="Micro-batch schedule."),
+        click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here."),
+        click.option("--checkpoint-every", type=int, help="Steps between checkpoints (0: every epoch)."),
+        click.option("--resume", is_flag=True, default=None, help="Continue from the latest checkpoint."),
     ]
     for option in reversed(options):
         fn = option(fn)
 
     @functools.wraps(fn)
     def wrapper(**kw):
-        keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport")
+        keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
+                "checkpoint_dir", "checkpoint_every", "resume")
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
         for k in keys:
             kw.pop(k, None)

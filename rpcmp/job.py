@@ -54,6 +54,10 @@ class Job:
     threads: int | None = None  # intra-op threads per process; None: cores / processes on the node
     transport: str = "uv"  # TensorPipe transport: "uv" (TCP) or "shm" (busy-polls; see README)
     rpc_timeout: float = 60.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: at the end of every epoch
+    keep_last: int = 2
+    resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
     device_maps: bool = False  # opt-in: CUDA tensors go stage to stage directly (TensorPipe device maps)
     source: str | None = field(default=None, repr=False)  # path of the job file, set by load_job
 
@@ -68,6 +72,10 @@ class Job:
                 f"Job.microbatches ({self.microbatches}) is larger than Job.batch_size ({self.batch_size}): "
                 f"each micro-batch needs at least one sample; lower microbatches or raise batch_size"
             )
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise JobError(f"Job.checkpoint_every must be 0 (every epoch) or a positive step count, got {self.checkpoint_every!r}")
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise JobError(f"Job.keep_last must be a positive integer, got {self.keep_last!r}")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
         if self.schedule not in ("overlap", "gpipe"):

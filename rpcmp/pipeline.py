@@ -186,6 +186,22 @@ class Pipeline:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._each(_stage._load_state_dict, state)
 
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Optimizer state of every stage, keyed by the unsplit model's parameter names."""
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for part in _wait_all([rpc.rpc_async(r.owner(), _stage._optimizer_state, args=(self.pid, r))
+                               for r in self._remote_optimizers]):
+            state.update(part)
+        return state
+
+    def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        _wait_all([rpc.rpc_async(r.owner(), _stage._load_optimizer_state, args=(self.pid, r, state))
+                   for r in self._remote_optimizers])
+
+    @property
+    def _remote_optimizers(self) -> list:
+        return self.optimizer.remote_optimizers if self.optimizer is not None else []
+
     def stats(self) -> list[dict[str, float]]:
         return self._each(_stage._stats)
 

@@ -201,6 +201,29 @@ def _load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> No
     host.module.load_state_dict(own, strict=True)
 
 
+def _named_params(pid: int) -> dict[torch.Tensor, str]:
+    return {p: host.spec.prefix + n for (hp, _), host in _HOSTS.items() if hp == pid
+            for n, p in host.module.named_parameters()}
+
+
+def _optimizer_state(pid: int, optim_rref) -> dict[str, dict[str, torch.Tensor]]:
+    """This process's optimizer state, keyed by the unsplit model's parameter names."""
+    optim = optim_rref.local_value().optim
+    names = _named_params(pid)
+    return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for p, st in optim.state.items() if p in names}
+
+
+def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]]) -> int:
+    optim = optim_rref.local_value().optim
+    loaded = 0
+    for param, name in _named_params(pid).items():
+        if name in states:
+            optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[name].items()}
+            loaded += 1
+    return loaded
+
+
 def _stats(pid: int, index: int) -> dict[str, float]:
     host = _HOSTS[(pid, index)]
     return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid()}

@@ -1,0 +1,84 @@
+"""Checkpoints: round trip under another split, consolidated into the plain model, atomic."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import segmentation_models_pytorch as smp
+import torch
+
+import rpcmp
+from helpers import load, run_ranks
+from rpcmp.checkpoint import load_checkpoint
+from rpcmp.trainer import _save, fit
+
+pytestmark = pytest.mark.integration
+ADAM = (torch.optim.Adam, {"lr": 0.01})
+
+
+def _fit(job, world_size):
+    return fit(job, world_size)["steps"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("first,second", [([3, 4], [2, 3, 2]), ([2, 3, 2], [4, 3])])
+def test_train_2n_equals_n_save_restore_n_under_another_split(tmp_path, first, second):
+    common = {"optimizer": ADAM, "max_steps": 10, "epochs": 2}  # 32 batches/epoch: crosses no epoch end
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run_ranks("mlp", 3, _fit, {**common, "stages": rpcmp.Split(first), "checkpoint_dir": straight}) == 10
+    assert run_ranks("mlp", 3, _fit, {**common, "stages": rpcmp.Split(first), "checkpoint_dir": split,
+                                       "max_steps": 5}) == 5
+    assert run_ranks("mlp", 3, _fit, {**common, "stages": rpcmp.Split(second), "checkpoint_dir": split,
+                                       "resume": True}) == 10
+    a, b = load_checkpoint(straight), load_checkpoint(split)
+    assert a["step"] == b["step"] == 10
+    torch.testing.assert_close(b["model"], a["model"])
+    torch.testing.assert_close(b["optimizer"]["state"], a["optimizer"]["state"])
+    # and the consolidated state is the plain model's
+    job = load("mlp")
+    job.model().load_state_dict(b["model"], strict=True)
+
+
+def _train_and_save(job, world_size):
+    pipe = rpcmp.Pipeline(job, world_size)
+    x, y = next(iter(torch.utils.data.DataLoader(job.data()[0], batch_size=4)))
+    pipe.train_step(x, y)
+    pipe.eval()
+    _save(job, pipe, 1, 0, 1)
+    return x, pipe.predict(x)
+
+
+@pytest.mark.timeout(300)
+def test_split_unet_checkpoint_loads_into_plain_unet(tmp_path):
+    x, split_out = run_ranks("unet", 3, _train_and_save, {"checkpoint_dir": str(tmp_path)})
+    ckpt = load_checkpoint(str(tmp_path))
+    plain = smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1)
+    plain.load_state_dict(ckpt["model"], strict=True)
+    plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), split_out)
+
+
+WRITER = """
+import sys, torch
+from rpcmp.checkpoint import save_checkpoint
+size = int(sys.argv[2])
+save_checkpoint(sys.argv[1], {"model": {"w": torch.full((size,), float(size))}, "step": size}, size)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_killing_the_writer_mid_save_keeps_the_previous_checkpoint(tmp_path):
+    subprocess.run([sys.executable, "-c", WRITER, str(tmp_path), "1"], check=True, timeout=60)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(400_000_000)])
+    tmp = tmp_path / f"step-{400_000_000:08d}.pt.tmp"
+    deadline = time.monotonic() + 60
+    while not (tmp.exists() and tmp.stat().st_size > 1_000_000):
+        assert time.monotonic() < deadline and proc.poll() is None, "the writer never started writing"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    ckpt = load_checkpoint(str(tmp_path))
+    assert ckpt["step"] == 1 and ckpt["model"]["w"].item() == 1.0
