@@ -30,6 +30,7 @@ def job_options(fn):
         click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here."),
         click.option("--checkpoint-every", type=int, help="Steps between checkpoints (0: every epoch)."),
         click.option("--resume", is_flag=True, default=None, help="Continue from the latest checkpoint."),
+        click.option("--hang-timeout", type=float, help="Seconds a silent worker may take before the job ends."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -37,15 +38,16 @@ def job_options(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
-                "checkpoint_dir", "checkpoint_every", "resume")
+                "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout")
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
         for k in keys:
             kw.pop(k, None)
         try:
             return fn(**kw)
         except RpcmpError as exc:
-            Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-            sys.exit(2)
+            Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False,
+                                       soft_wrap=True)
+            sys.exit(2 if isinstance(exc, ValueError) else 1)  # 2: a mistake in the input; 1: a failure
     return wrapper
 
 

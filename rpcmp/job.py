@@ -54,6 +54,7 @@ class Job:
     threads: int | None = None  # intra-op threads per process; None: cores / processes on the node
     transport: str = "uv"  # TensorPipe transport: "uv" (TCP) or "shm" (busy-polls; see README)
     rpc_timeout: float = 60.0
+    hang_timeout: float = 20.0  # a worker silent this long ends the job (0: never; a dead one is seen at once)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: at the end of every epoch
     keep_last: int = 2

@@ -42,6 +42,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.optim import DistributedOptimizer
 
+from . import health
 from . import stage as _stage
 from .errors import StageError
 from .microbatch import batch_size, gather, has_tensors, scatter
@@ -70,6 +71,9 @@ class Pipeline:
             futs.append(rpc.rpc_async(place.process, _stage._build,
                                       args=(self.pid, spec, place, nxt, job.rpc_timeout)))
         self.param_rrefs = [r for refs in _wait_all(futs) for r in refs]
+        health.status["stages"] = {}
+        for spec, place in zip(self.specs, self.places):
+            health.status["stages"].setdefault(place.process, []).append(f"{spec.index} {spec.name}")
         cls, kwargs = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})

@@ -23,6 +23,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from . import stage as _stage
+from .health import Watchdog
 from .job import Job, load_job
 from .placement import MASTER, process_name
 
@@ -83,13 +84,18 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     _stage.set_job(job)
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size,
                  rpc_backend_options=_backend_options(job, world_size))
-    result, error = None, None
+    result, error, watchdog = None, None, None
     try:
         if rank == 0 and main is not None:
+            if world_size > 1 and job.hang_timeout:
+                watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout)
+                watchdog.start()
             result = main(job, world_size)
     except BaseException as exc:  # shut the world down, then re-raise
         error = exc
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         _shutdown(graceful=error is None)
     if error is not None:
         raise error

@@ -11,6 +11,7 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 from .checkpoint import CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, save_checkpoint
+from . import health
 from .errors import JobError
 from .microbatch import batch_size
 from .pipeline import Pipeline
@@ -43,7 +44,11 @@ def fit(job, world_size: int, console: Console | None = None, pipeline: Pipeline
             batches = epoch_batches(len(train_set), job.batch_size, job.seed, epoch)
             loader = DataLoader(train_set, batch_sampler=batches[first_batch:])
             for k, (x, y) in enumerate(loader, start=first_batch):
-                loss = pipe.train_step(x, y).item()
+                health.status["step"] = step + 1
+                try:
+                    loss = pipe.train_step(x, y).item()
+                except Exception as exc:
+                    raise health.explain(exc, {p.process for p in pipe.places}) from exc
                 losses.append(loss)
                 step += 1
                 samples += batch_size(x)
@@ -77,7 +82,7 @@ def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
 
 def _save(job, pipe: Pipeline, step: int, epoch: int, next_batch: int) -> int:
     cls, _ = job.optimizer
-    save_checkpoint(job.checkpoint_dir, {
+    health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
         "mode": "pipeline", "model": pipe.state_dict(),
         "optimizer": {"class": cls.__name__, "state": pipe.optimizer_state()},
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,

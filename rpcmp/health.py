@@ -1,0 +1,87 @@
+"""Failure detection with a bound, and errors that say which worker, stage and step.
+
+A worker that dies is noticed by the transport at once (its connections close) and the
+master's pending call fails; :func:`explain` then pings every owner to name the one
+that is gone. A worker that hangs (SIGSTOP, a deadlock, a swapped-out node) answers
+nothing and closes nothing: the :class:`Watchdog` pings every worker each second and,
+when one has not answered for ``Job.hang_timeout`` seconds, prints what happened and
+ends the master with exit code 3 (the launcher or torchrun then stops the others).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import threading
+
+import torch.distributed.rpc as rpc
+
+from .errors import StageError
+
+__all__ = ["WorkerLostError", "Watchdog", "explain", "status"]
+
+# What the master is doing, for the messages: set by Pipeline and the trainer.
+status: dict = {"step": 0, "checkpoint": None, "stages": {}}
+
+
+class WorkerLostError(StageError):
+    """A worker died, hung or became unreachable."""
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
+def unresponsive(processes, timeout: float) -> list[str]:
+    futs = {p: rpc.rpc_async(p, _ping, timeout=timeout) for p in processes}
+    bad = []
+    for p, fut in futs.items():
+        try:
+            fut.wait()
+        except Exception:  # noqa: BLE001 - any failure to answer is the finding
+            bad.append(p)
+    return bad
+
+
+def describe(lost: list[str], how: str) -> str:
+    who = ", ".join(f"{p} (stage {', '.join(status['stages'].get(p, ['none']))})" for p in lost)
+    ckpt = (f"The last checkpoint is {status['checkpoint']}: rerun with --resume to continue from it"
+            if status["checkpoint"] else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
+    return (f"at step {status['step']}: {who} {how}. Look at that process's log or node (killed? out of "
+            f"memory? network?). {ckpt}")
+
+
+def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseException:
+    """Turn a transport error into a :class:`WorkerLostError` naming the lost workers."""
+    if isinstance(exc, StageError) and not isinstance(exc, WorkerLostError):
+        return StageError(f"at step {status['step']}: {exc}")
+    try:
+        lost = unresponsive([p for p in processes if p != rpc.get_worker_info().name], timeout)
+    except Exception:  # noqa: BLE001 - the agent itself may be going down
+        lost = []
+    if not lost:
+        return exc
+    return WorkerLostError(describe(lost, f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
+
+
+class Watchdog(threading.Thread):
+    """Ping every worker; end the master if one stays silent for ``timeout`` seconds."""
+
+    def __init__(self, workers: list[str], timeout: float, interval: float = 1.0):
+        super().__init__(daemon=True, name="rpcmp-watchdog")
+        self.workers, self.timeout, self.interval = workers, timeout, interval
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval):
+            lost = unresponsive(self.workers, self.timeout)
+            if lost and not self._stop.is_set():
+                print(f"rpcmp: error: WorkerLostError: " + describe(
+                    lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
+                    file=sys.stderr, flush=True)
+                for child in multiprocessing.active_children():  # local workers, even stopped ones
+                    child.kill()
+                os._exit(3)
+
+    def stop(self) -> None:
+        self._stop.set()

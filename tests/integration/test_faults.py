@@ -1,0 +1,61 @@
+"""Fault injection with real processes: a worker killed (SIGKILL) or frozen (SIGSTOP)
+mid-training ends the run within a bound, with an error naming the worker, its stage
+and the step; no process is left; the last checkpoint loads."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import job_path
+from rpcmp.checkpoint import latest_checkpoint, load_checkpoint
+
+pytestmark = pytest.mark.integration
+BIN = os.path.dirname(sys.executable)
+
+
+def _children(pid):
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return sorted(int(p) for p in out)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("sig,bound", [(signal.SIGKILL, 10.0), (signal.SIGSTOP, 5.0 + 10.0)])
+def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound):
+    ckpt_dir = str(tmp_path / "ckpt")
+    proc = subprocess.Popen(
+        [os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--epochs", "200",
+         "--checkpoint-dir", ckpt_dir, "--checkpoint-every", "40", "--hang-timeout", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(ckpt_dir) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            time.sleep(0.2)
+        workers = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        assert len(workers) == 2
+        everyone = [proc.pid] + workers
+        os.kill(workers[0], sig)  # the first spawned is worker1, owner of stage 0
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=bound + 30)
+        waited = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert waited < bound, f"took {waited:.1f}s"
+    assert "WorkerLostError" in err and "worker1 (stage 0 layers[0:3])" in err and "at step" in err, err
+    assert "--resume" in err
+    time.sleep(1.0)
+    assert not [p for p in everyone if _alive(p)], "processes were left behind"
+    assert load_checkpoint(ckpt_dir)["step"] % 40 == 0
