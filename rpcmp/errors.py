@@ -1,6 +1,6 @@
 """Typed errors for user mistakes. Each message says what was expected, what was got, and the fix."""
 
-__all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError"]
+__all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError", "NonFiniteLossError"]
 
 
 class RpcmpError(Exception):
@@ -29,3 +29,7 @@ class StageError(RpcmpError, RuntimeError):
 
 class StageOutputError(MicroBatchError):
     """A stage returned something that cannot travel between stages."""
+
+
+class NonFiniteLossError(RpcmpError, ArithmeticError):
+    """The loss became NaN or infinite (Job.nonfinite='stop')."""

@@ -54,6 +54,7 @@ class Job:
     threads: int | None = None  # intra-op threads per process; None: cores / processes on the node
     transport: str = "uv"  # TensorPipe transport: "uv" (TCP) or "shm" (busy-polls; see README)
     rpc_timeout: float = 60.0
+    nonfinite: str = "stop"  # NaN/inf loss: "stop" with an error, or "skip" the update with a warning
     hang_timeout: float = 20.0  # a worker silent this long ends the job (0: never; a dead one is seen at once)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: at the end of every epoch
@@ -81,6 +82,8 @@ class Job:
             raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
         if self.schedule not in ("overlap", "gpipe"):
             raise JobError(f"Job.schedule must be 'overlap' or 'gpipe', got {self.schedule!r}")
+        if self.nonfinite not in ("stop", "skip"):
+            raise JobError(f"Job.nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         if self.transport not in _TRANSPORTS:
             raise JobError(f"Job.transport must be one of {_TRANSPORTS}, got {self.transport!r}")
         cls, kwargs = _optimizer(self.optimizer)

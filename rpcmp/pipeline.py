@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,7 +45,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 from . import health
 from . import stage as _stage
-from .errors import StageError
+from .errors import NonFiniteLossError, StageError
 from .microbatch import batch_size, gather, has_tensors, scatter
 from .partition import StageSpec, plan_stages
 from .placement import Place, resolve_placement
@@ -78,6 +79,7 @@ class Pipeline:
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.schedule = schedule or job.schedule
+        self.skipped_steps = 0
         self._threads = ThreadPoolExecutor(max(1, self.microbatches), thread_name_prefix="rpcmp-micro")
 
     # -- running micro-batches ------------------------------------------------
@@ -112,7 +114,7 @@ class Pipeline:
             out = self.forward(x, grad=True)
             loss = self.job.loss(out, y)
             dist_autograd.backward(ctx, [loss])
-            if self.optimizer is not None:
+            if self.optimizer is not None and self._finite(loss):
                 self.optimizer.step(ctx)
         return loss.detach()
 
@@ -146,7 +148,7 @@ class Pipeline:
         futs = [self._threads.submit(micro, i) for i in range(m)]
         try:
             backward_done.wait()
-            if self.optimizer is not None:
+            if self.optimizer is not None and self._finite(torch.stack(losses).sum()):
                 _wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(ctx_ids,)) for o in self._param_owners])
                 self.optimizer.step(ctx_ids[0])
         except threading.BrokenBarrierError:
@@ -161,6 +163,20 @@ class Pipeline:
             self._resync()
             raise _unwrap(errors[0])
         return torch.stack(losses).sum()
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        """False (skip this step's update) or raise, as ``Job.nonfinite`` says, for a NaN/inf loss."""
+        if torch.isfinite(loss).all():
+            return True
+        if self.job.nonfinite == "skip":
+            self.skipped_steps += 1
+            warnings.warn(f"loss is {loss.item()}: this step's update was skipped (Job.nonfinite='skip'); "
+                          f"{self.skipped_steps} skipped so far", RuntimeWarning, stacklevel=3)
+            return False
+        raise NonFiniteLossError(
+            f"the loss is {loss.item()}: training stopped before the optimizer step, so the parameters are "
+            f"still finite. Lower the learning rate, check the data, or set Job(nonfinite='skip') to skip such steps"
+        )
 
     def _next_seqs(self, count: int) -> list[int]:
         seqs = list(range(self._seq, self._seq + count))

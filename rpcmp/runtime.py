@@ -82,6 +82,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch.set_num_threads(job.threads or default_threads(local))
     _stage.set_job(job)
+    _fresh_store_prefix()
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size,
                  rpc_backend_options=_backend_options(job, world_size))
     result, error, watchdog = None, None, None
@@ -100,6 +101,20 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     if error is not None:
         raise error
     return result
+
+
+def _fresh_store_prefix() -> None:
+    """[Note: RPC after a torchrun restart]
+    init_rpc namespaces its store keys as ``rpc_prefix_{n}`` with n counting calls in this
+    process, so every fresh process uses ``rpc_prefix_0``. torchrun's agent store outlives
+    a restart (``--max-restarts``), so the restarted ranks read the dead ranks' addresses
+    and gloo fails with "connection refused". Starting the count at the restart number
+    gives each attempt keys of its own.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt and hasattr(rpc, "_init_counter"):
+        with rpc._init_counter_lock:
+            rpc._init_counter = max(rpc._init_counter, attempt * 1000)
 
 
 def _shutdown(graceful: bool) -> None:

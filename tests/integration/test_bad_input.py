@@ -1,0 +1,53 @@
+"""Bad input at run time: a clear error, and nothing hangs (real processes)."""
+import pytest
+import torch
+
+import rpcmp
+from helpers import run_ranks
+
+pytestmark = pytest.mark.integration
+
+
+def _nonfinite(job, world_size):
+    out = {}
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    for policy in ("stop", "skip"):
+        for sched in ("overlap", "gpipe"):
+            job.nonfinite = policy
+            pipe = rpcmp.Pipeline(job, world_size, schedule=sched)
+            before = pipe.state_dict()
+            try:
+                with pytest.warns(RuntimeWarning) if policy == "skip" else _nothing():
+                    loss = pipe.train_step(x, y * float("nan"))
+                result = f"loss {loss.item()}"
+            except rpcmp.NonFiniteLossError as exc:
+                result = f"NonFiniteLossError: {exc}"
+            unchanged = all(torch.equal(before[k], v) for k, v in pipe.state_dict().items())
+            finite_step = pipe.train_step(x, y).item()
+            out[(policy, sched)] = (result, unchanged, finite_step)
+            pipe.close()
+    try:
+        rpcmp.Pipeline(job, world_size, microbatches=4).train_step(torch.randn(3, 16), torch.randn(3, 8))
+    except rpcmp.MicroBatchError as exc:
+        out["small batch"] = str(exc)
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_nonfinite_loss_stops_or_skips_and_small_batch_is_refused():
+    out = run_ranks("mlp", 3, _nonfinite)
+    for sched in ("overlap", "gpipe"):
+        result, unchanged, next_loss = out[("stop", sched)]
+        assert result.startswith("NonFiniteLossError: the loss is nan") and "nonfinite='skip'" in result
+        assert unchanged and next_loss == next_loss  # parameters untouched and still trainable
+        result, unchanged, next_loss = out[("skip", sched)]
+        assert result == "loss nan" and unchanged and next_loss == next_loss
+    assert "a batch of 3 samples cannot be split into 4 micro-batches" in out["small batch"]

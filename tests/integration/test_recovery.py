@@ -1,0 +1,59 @@
+"""Recovery: under torchrun --max-restarts, a job whose worker dies restarts, resumes from
+its last checkpoint, and ends with the same parameters as a run that never failed."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import job_path
+from rpcmp.checkpoint import latest_checkpoint, load_checkpoint
+
+pytestmark = pytest.mark.integration
+BIN = os.path.dirname(sys.executable)
+STEPS = 1500
+
+
+def _torchrun(ckpt_dir, *extra):
+    return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=3", *extra, "-m", "rpcmp.master",
+            job_path("mlp"), "--max-steps", str(STEPS), "--epochs", "100", "--checkpoint-dir", ckpt_dir,
+            "--checkpoint-every", "100", "--resume"]
+
+
+def _rank_pid(parent, rank):
+    for pid in subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split():
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+@pytest.mark.timeout(400)
+def test_worker_killed_once_under_torchrun_max_restarts(tmp_path):
+    clean, faulty = str(tmp_path / "clean"), str(tmp_path / "faulty")
+    subprocess.run(_torchrun(clean), check=True, capture_output=True, timeout=180)
+    proc = subprocess.Popen(_torchrun(faulty, "--max-restarts=1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(faulty) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.05)
+        worker = _rank_pid(proc.pid, 1)
+        assert worker is not None
+        os.kill(worker, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "resumed from" in out, out
+    a, b = load_checkpoint(clean), load_checkpoint(faulty)
+    assert a["step"] == b["step"] == STEPS
+    torch.testing.assert_close(b["model"], a["model"])
