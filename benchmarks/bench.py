@@ -93,6 +93,36 @@ def _rpcmp_unet_memory(job, world):
     return {"master": peak_rss_mib(), **{p: rpc.rpc_sync(p, peak_rss_mib) for p in procs}}
 
 
+def _rpcmp_ddp(job, world):
+    from rpcmp.ddp import DDPEngine
+    engine = DDPEngine(job)
+    x, y = mlp_data()
+    rank = torch.distributed.get_rank()
+    local = slice(rank * engine.local_batch, (rank + 1) * engine.local_batch)
+    return median_time(lambda: engine.train_step([(x[local], y[local])]))
+
+
+def _ddp_handwritten(rank, port, queue):
+    from torch.nn.parallel import DistributedDataParallel
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = DistributedDataParallel(bm.mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = mlp_data()
+    x, y = x[rank * 128:(rank + 1) * 128], y[rank * 128:(rank + 1) * 128]
+
+    def step():
+        opt.zero_grad()
+        bm.mse(model(x), y).backward()
+        opt.step()
+    t = median_time(step)
+    if rank == 0:
+        queue.put(t)
+    dist.destroy_process_group()
+
+
 # -- one process ----------------------------------------------------------------------
 def _one_process(kind, threads, queue):
     torch.set_num_threads(threads)
@@ -204,6 +234,10 @@ def main(out):
                                           overrides={"schedule": "gpipe"})
     res["pipelining_mlp"] = {f"{k[0]}_m{k[1]}": v for k, v in spawn(_pipelining, 2).items()}
     res["one_process_mlp"] = {t: one_process("mlp", t) for t in (1, 2)}
+    console.print("[bold]DDP mode: the same MLP, 2 ranks x 128 samples, gloo, 1 thread each")
+    res["rpcmp_ddp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_ddp, master_in_process=False,
+                                        overrides={"mode": "ddp"})
+    res["handwritten_ddp_mlp"] = spawn(_ddp_handwritten, 2)
     console.print("[bold]split Unet (resnet34), batch 16 of 1x128x128, 3 stages on 3 processes, M = 4")
     res["rpcmp_unet"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False)
     res["rpcmp_unet_shm"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
@@ -241,6 +275,9 @@ def report(console, res):
                       f"{res['rpcmp_mlp'][4] * 1e3:.0f} ms", f"{ours / res['rpcmp_mlp'][4]:.2f}")
     table.add_row("split Unet M=4, shm vs uv transport", f"{res['rpcmp_unet_shm'] * 1e3:.0f} ms",
                   f"{res['rpcmp_unet'] * 1e3:.0f} ms", f"{res['rpcmp_unet_shm'] / res['rpcmp_unet']:.2f}")
+    ours, hand = res["rpcmp_ddp_mlp"], res["handwritten_ddp_mlp"]
+    table.add_row("DDP mode vs a hand-written DDP loop (MLP, 2 ranks)", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
+                  f"{ours / hand:.3f}")
     ours, hand = res["rpcmp_unet"], res["hand_rpc_unet"]
     table.add_row("split Unet M=4 vs hand-written RemoteModule RPC", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
                   f"{ours / hand:.2f} (throughput x{hand / ours:.2f})")

@@ -26,6 +26,10 @@ def job_options(fn):
         click.option("--max-steps", type=int, help="Stop after this many optimizer steps (Job.max_steps)."),
         click.option("--threads", type=int, help="Intra-op threads per process (default: cores / processes)."),
         click.option("--transport", type=click.Choice(["uv", "shm"]), help="TensorPipe transport (default uv)."),
+        click.option("--mode", type=click.Choice(["pipeline", "ddp"]), help="Stages over processes, or DDP."),
+        click.option("--accumulate", type=int, help="Batches per optimizer step (gradient accumulation)."),
+        click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="DDP mode: autocast dtype."),
+        click.option("--sync-batchnorm", is_flag=True, default=None, help="DDP mode: SyncBatchNorm."),
         click.option("--schedule", type=click.Choice(["overlap", "gpipe"]), help="Micro-batch schedule."),
         click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here."),
         click.option("--checkpoint-every", type=int, help="Steps between checkpoints (0: every epoch)."),
@@ -38,6 +42,7 @@ def job_options(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
+                "mode", "accumulate", "precision", "sync_batchnorm",
                 "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout")
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
         for k in keys:

@@ -47,6 +47,10 @@ class Job:
     optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.01})
     batch_size: int = 8
     microbatches: int = 1
+    mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
+    accumulate: int = 1  # batches whose gradients add up to one optimizer step
+    precision: str = "fp32"  # DDP mode: "fp32", "bf16" (autocast), "fp16" (GPU, with loss scaling)
+    sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
     schedule: str = "overlap"  # "overlap": each micro-batch's backward starts when its forward ends; "gpipe"
     epochs: int = 1
     max_steps: int | None = None
@@ -65,7 +69,7 @@ class Job:
 
     def __post_init__(self):
         declaration_kind(self.stages)
-        for name in ("batch_size", "microbatches", "epochs"):
+        for name in ("batch_size", "microbatches", "epochs", "accumulate"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"Job.{name} must be a positive integer, got {value!r}")
@@ -82,6 +86,13 @@ class Job:
             raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
         if self.schedule not in ("overlap", "gpipe"):
             raise JobError(f"Job.schedule must be 'overlap' or 'gpipe', got {self.schedule!r}")
+        if self.mode not in ("pipeline", "ddp"):
+            raise JobError(f"Job.mode must be 'pipeline' or 'ddp', got {self.mode!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise JobError(f"Job.precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
+        if self.precision != "fp32" and self.mode == "pipeline":
+            raise JobError(f"precision={self.precision!r} is available in DDP mode only for now; "
+                           f"use precision='fp32' in pipeline mode or --mode ddp")
         if self.nonfinite not in ("stop", "skip"):
             raise JobError(f"Job.nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         if self.transport not in _TRANSPORTS:

@@ -80,7 +80,7 @@ class Pipeline:
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.schedule = schedule or job.schedule
         self.skipped_steps = 0
-        self._threads = ThreadPoolExecutor(max(1, self.microbatches), thread_name_prefix="rpcmp-micro")
+        self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
     # -- running micro-batches ------------------------------------------------
     def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any:
@@ -102,25 +102,25 @@ class Pipeline:
             raise
         return gather([_stage._take(self.pid, s) for s in seqs])
 
-    def train_step(self, x: Any, y: Any) -> torch.Tensor:
-        """One optimizer step on batch ``(x, y)``; returns the loss (detached)."""
+    def train_step(self, x: Any, y: Any, chunks: int | None = None) -> torch.Tensor:
+        """One optimizer step on batch ``(x, y)`` in ``chunks`` (default M) micro-batches; returns the loss."""
         if self.schedule == "gpipe":
-            return self._step_gpipe(x, y)
-        return self._step_overlap(x, y)
+            return self._step_gpipe(x, y, chunks)
+        return self._step_overlap(x, y, chunks)
 
-    def _step_gpipe(self, x: Any, y: Any) -> torch.Tensor:
+    def _step_gpipe(self, x: Any, y: Any, chunks: int | None) -> torch.Tensor:
         # One context for the whole step; the loss sees the whole batch's output.
         with dist_autograd.context() as ctx:
-            out = self.forward(x, grad=True)
+            out = self.forward(x, grad=True, chunks=chunks)
             loss = self.job.loss(out, y)
             dist_autograd.backward(ctx, [loss])
             if self.optimizer is not None and self._finite(loss):
                 self.optimizer.step(ctx)
         return loss.detach()
 
-    def _step_overlap(self, x: Any, y: Any) -> torch.Tensor:
+    def _step_overlap(self, x: Any, y: Any, chunks: int | None) -> torch.Tensor:
         # See [Note: one context per micro-batch].
-        xs = scatter(x, self.microbatches)
+        xs = scatter(x, chunks or self.microbatches)
         ys = scatter(y, len(xs)) if has_tensors(y) else [y] * len(xs)
         m, n = len(xs), batch_size(x)
         seqs = self._next_seqs(m)

@@ -20,6 +20,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from . import stage as _stage
@@ -73,7 +74,10 @@ def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptio
 
 def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int], Any] | None = None,
              overrides: dict | None = None, local_procs: int | None = None) -> Any:
-    """Run one process of a job. Rank 0 calls ``main(job, world_size)`` and returns its result.
+    """Run one process of a job and return ``main(job, world_size)``'s result on rank 0.
+
+    Pipeline mode: rank 0 calls ``main``, the other ranks serve stages. DDP mode: every
+    rank calls ``main``.
 
     ``MASTER_ADDR`` / ``MASTER_PORT`` must be set (torchrun and :func:`launch_local` do).
     """
@@ -81,6 +85,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     job = load_job(job_path, overrides=overrides)
     local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch.set_num_threads(job.threads or default_threads(local))
+    if job.mode == "ddp":
+        return _run_ddp_rank(job, rank, world_size, main)
     _stage.set_job(job)
     _fresh_store_prefix()
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size,
@@ -101,6 +107,18 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     if error is not None:
         raise error
     return result
+
+
+def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
+    """DDP mode: no RPC; every rank runs ``main`` (the trainer) in one process group."""
+    from .ddp import init_ddp
+    from .trainer import _DEVICE
+    _DEVICE["ddp"] = init_ddp(rank, world_size)
+    try:
+        result = main(job, world_size) if main is not None else None
+    finally:
+        dist.destroy_process_group()
+    return result if rank == 0 else None
 
 
 def _fresh_store_prefix() -> None:
@@ -165,7 +183,7 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     procs = []
     for rank in range(first, nprocs):
         p = ctx.Process(target=_local_child, name=process_name(rank),
-                        args=(job_path, rank, nprocs, port, overrides, main if rank == 0 else None,
+                        args=(job_path, rank, nprocs, port, overrides, main,
                               results if rank == 0 else None, os.getpid()))
         p.start()
         procs.append(p)

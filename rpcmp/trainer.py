@@ -13,62 +13,141 @@ from torch.utils.data import DataLoader
 from .checkpoint import CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, save_checkpoint
 from . import health
 from .errors import JobError
-from .microbatch import batch_size
+from .microbatch import batch_size, gather
 from .pipeline import Pipeline
 
-__all__ = ["fit", "evaluate", "sample_batch", "epoch_batches"]
+__all__ = ["fit", "evaluate", "sample_batch", "epoch_batches", "make_engine", "PipelineEngine"]
 
 
-def fit(job, world_size: int, console: Console | None = None, pipeline: Pipeline | None = None) -> dict[str, Any]:
-    """Train ``job`` on the stages of this RPC world; return losses and metrics."""
-    console = console or Console()
+def fit(job, world_size: int, console: Console | None = None, engine=None) -> dict[str, Any]:
+    """Train ``job``; in pipeline mode on the master, in DDP mode on every rank."""
     train_set, heldout = _datasets(job)
-    per_epoch = len(train_set) // job.batch_size
+    engine = engine or make_engine(job, world_size, train_set)
+    console = console or Console(quiet=not engine.is_main)
+    per_epoch = engine.steps_per_epoch(len(train_set))
     if per_epoch == 0:
-        raise JobError(f"the training set has {len(train_set)} samples, fewer than one batch of {job.batch_size}")
-    pipe = pipeline or Pipeline(job, world_size, sample=sample_batch(job) if _needs_sample(job) else None)
-    _show_plan(console, pipe)
+        raise JobError(f"the training set has {len(train_set)} samples, fewer than one step of "
+                       f"{job.batch_size} x {job.accumulate} (batch_size x accumulate)")
+    console.print(engine.describe())
     total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
-    step, epoch, first_batch = _resume(job, pipe, console) if job.resume else (0, 0, 0)
-    before = evaluate(pipe, heldout, job) if heldout is not None and job.metric else None
+    step, epoch, first_batch = _resume(job, engine, console) if job.resume else (0, 0, 0)
+    before = engine.evaluate(heldout) if heldout is not None and job.metric else None
     if before is not None:
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
     losses, samples, saved, start = [], 0, None, time.perf_counter()
     columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} samples/s"),
                TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False) as progress:
+    with Progress(*columns, console=console, transient=False, disable=not engine.is_main) as progress:
         task = progress.add_task("train", total=total, completed=step, epoch=epoch + 1, loss=float("nan"), rate=0.0)
         while step < total:
-            pipe.train()
-            batches = epoch_batches(len(train_set), job.batch_size, job.seed, epoch)
-            loader = DataLoader(train_set, batch_sampler=batches[first_batch:])
-            for k, (x, y) in enumerate(loader, start=first_batch):
+            engine.train()
+            groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
+            position = (epoch + 1, 0)
+            for k, group in enumerate(groups, start=first_batch):
                 health.status["step"] = step + 1
                 try:
-                    loss = pipe.train_step(x, y).item()
+                    loss, n = engine.train_step(group)
                 except Exception as exc:
-                    raise health.explain(exc, {p.process for p in pipe.places}) from exc
+                    raise engine.explain(exc) from exc
                 losses.append(loss)
                 step += 1
-                samples += batch_size(x)
+                samples += n
                 progress.update(task, advance=1, epoch=epoch + 1, loss=loss,
                                 rate=samples / (time.perf_counter() - start))
-                position = (epoch, k + 1) if k + 1 < len(batches) else (epoch + 1, 0)
+                position = (epoch, k + 1) if k + 1 < steps else (epoch + 1, 0)
                 if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
-                    saved = _save(job, pipe, step, *position)
+                    saved = _save(job, engine, step, *position)
                 if step >= total:
                     break
             epoch, first_batch = position
             if job.checkpoint_dir and not job.checkpoint_every and saved != step:
-                saved = _save(job, pipe, step, epoch, first_batch)
+                saved = _save(job, engine, step, epoch, first_batch)
     if job.checkpoint_dir and saved != step:
-        _save(job, pipe, step, epoch, first_batch)
+        _save(job, engine, step, epoch, first_batch)
     elapsed = time.perf_counter() - start
-    after = evaluate(pipe, heldout, job) if before is not None else None
-    _show_summary(console, job, pipe, losses, elapsed, samples, before, after)
+    after = engine.evaluate(heldout) if before is not None else None
+    engine.summary(console) if hasattr(engine, "summary") else None
+    if losses:
+        console.print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  "
+                      f"{samples / elapsed:.1f} samples/s  {elapsed:.1f}s")
+    if after is not None:
+        console.print(f"held-out {job.metric_name}: [bold]{before:.4f} -> {after:.4f}[/]")
     return {"losses": losses, "metric_before": before, "metric_after": after,
             "samples_per_s": samples / elapsed if elapsed else 0.0, "steps": step}
+
+
+def make_engine(job, world_size: int, train_set=None):
+    if job.mode == "ddp":
+        from .ddp import DDPEngine
+        return DDPEngine(job, _DEVICE.get("ddp"))
+    sample = sample_batch(job) if _needs_sample(job) else None
+    return PipelineEngine(Pipeline(job, world_size, sample=sample), job)
+
+
+_DEVICE: dict = {}  # set by the runtime in DDP mode
+
+
+class PipelineEngine:
+    """What the trainer drives in pipeline mode: a :class:`Pipeline` and the batch order."""
+
+    mode = "pipeline"
+    is_main = True
+
+    def __init__(self, pipe: Pipeline, job):
+        self.pipe, self.job = pipe, job
+
+    def steps_per_epoch(self, n: int) -> int:
+        return n // self.job.batch_size // self.job.accumulate
+
+    def epoch_loader(self, dataset, epoch: int, first_batch: int):
+        acc = self.job.accumulate
+        batches = epoch_batches(len(dataset), self.job.batch_size, self.job.seed, epoch)
+        steps = len(batches) // acc
+        usable = batches[first_batch * acc: steps * acc]
+        it = iter(DataLoader(dataset, batch_sampler=usable))
+        return ([next(it) for _ in range(acc)] for _ in range(len(usable) // acc)), steps
+
+    def train_step(self, group: list) -> tuple[float, int]:
+        # Accumulating k batches is one step over their concatenation in k x M micro-batches:
+        # the same gradient, as each micro-batch's loss is weighted by its share of all samples.
+        x, y = group[0] if len(group) == 1 else gather(group)
+        loss = self.pipe.train_step(x, y, chunks=self.pipe.microbatches * len(group))
+        return loss.item(), batch_size(x)
+
+    def evaluate(self, dataset) -> float:
+        return evaluate(self.pipe, dataset, self.job)
+
+    def train(self) -> None:
+        self.pipe.train()
+
+    def state_dict(self):
+        return self.pipe.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.pipe.load_state_dict(state)
+
+    def optimizer_state(self):
+        return self.pipe.optimizer_state()
+
+    def load_optimizer_state(self, state) -> None:
+        self.pipe.load_optimizer_state(state)
+
+    def describe(self) -> str:
+        pipe = self.pipe
+        return ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
+                + f"   micro-batches: {pipe.microbatches}, schedule {pipe.schedule}")
+
+    def explain(self, exc: BaseException) -> BaseException:
+        return health.explain(exc, {p.process for p in self.pipe.places})
+
+    def summary(self, console: Console) -> None:
+        table = Table(title="rpcmp run", show_header=True)
+        for col in ("stage", "owner", "forward s", "micro-batches"):
+            table.add_column(col, justify="right" if col in ("forward s", "micro-batches") else "left")
+        for spec, place, st in zip(self.pipe.specs, self.pipe.places, self.pipe.stats()):
+            table.add_row(f"{spec.index} {spec.name}", str(place), f"{st['compute_s']:.2f}", str(int(st["runs"])))
+        console.print(table)
 
 
 def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -80,17 +159,19 @@ def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
     return [order[i * size:(i + 1) * size] for i in range(n // size)]
 
 
-def _save(job, pipe: Pipeline, step: int, epoch: int, next_batch: int) -> int:
+def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
+    if not engine.is_main:  # DDP: every rank holds the same state; rank 0 writes it
+        return step
     cls, _ = job.optimizer
     health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
-        "mode": "pipeline", "model": pipe.state_dict(),
-        "optimizer": {"class": cls.__name__, "state": pipe.optimizer_state()},
+        "mode": engine.mode, "model": engine.state_dict(),
+        "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
     }, step, job.keep_last)
     return step
 
 
-def _resume(job, pipe: Pipeline, console: Console) -> tuple[int, int, int]:
+def _resume(job, pipe, console: Console) -> tuple[int, int, int]:
     if not job.checkpoint_dir:
         raise JobError("resume needs a checkpoint directory: pass --checkpoint-dir DIR (or Job.checkpoint_dir)")
     if latest_checkpoint(job.checkpoint_dir) is None:
@@ -140,25 +221,3 @@ def _datasets(job):
     if not (isinstance(got, tuple) and len(got) == 2):
         raise JobError(f"Job.data() must return (train_dataset, heldout_dataset_or_None), got {type(got).__name__}")
     return got
-
-
-def _show_plan(console: Console, pipe: Pipeline) -> None:
-    console.print("[bold]stages:[/] " + "  ".join(
-        f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
-        + f"   micro-batches: {pipe.microbatches}")
-
-
-def _show_summary(console, job, pipe, losses, elapsed, samples, before, after) -> None:
-    table = Table(title="rpcmp run", show_header=True)
-    table.add_column("stage")
-    table.add_column("owner")
-    table.add_column("compute s", justify="right")
-    table.add_column("micro-batches", justify="right")
-    for spec, place, st in zip(pipe.specs, pipe.places, pipe.stats()):
-        table.add_row(f"{spec.index} {spec.name}", str(place), f"{st['compute_s']:.2f}", str(int(st["runs"])))
-    console.print(table)
-    if losses:
-        console.print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  "
-                      f"{samples / elapsed:.1f} samples/s  {elapsed:.1f}s")
-    if after is not None:
-        console.print(f"held-out {job.metric_name}: [bold]{before:.4f} -> {after:.4f}[/]")

@@ -1,0 +1,162 @@
+"""DDP mode: the data-parallel case from the same job file (``--mode ddp``).
+
+Every rank builds the whole model (seeded, so all start equal), wraps it in
+``DistributedDataParallel`` (gloo on CPU, NCCL on GPU with one device per local rank)
+and reads its share of every batch through a ``DistributedSampler``. ``Job.batch_size``
+stays the global batch: each rank takes ``batch_size / world_size`` samples, so a job
+trains on the same number of samples per step in either mode. Losses and metrics are
+averaged over ranks (all_reduce), so what rank 0 prints is the global value; only rank
+0 shows progress and writes checkpoints, in the format pipeline mode writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from .errors import JobError
+from .microbatch import batch_size, to_device
+
+__all__ = ["DDPEngine", "init_ddp"]
+
+
+def init_ddp(rank: int, world_size: int) -> torch.device:
+    """Join the process group (env://) and pick this rank's device."""
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    return device
+
+
+class DDPEngine:
+    """What the trainer drives in DDP mode (pipeline mode drives a :class:`~rpcmp.Pipeline`)."""
+
+    mode = "ddp"
+
+    def __init__(self, job, device: torch.device | None = None):
+        self.job, self.rank, self.world = job, dist.get_rank(), dist.get_world_size()
+        self.device = device or torch.device("cpu")
+        if job.batch_size % self.world:
+            raise JobError(f"DDP mode splits Job.batch_size ({job.batch_size}) over {self.world} ranks: "
+                           f"make batch_size a multiple of {self.world}")
+        self.local_batch = job.batch_size // self.world
+        if job.model is None:
+            raise JobError("DDP mode builds the whole model on every rank: give Job(model=<factory>)")
+        torch.manual_seed(job.seed)
+        module = job.model().to(self.device)
+        if job.sync_batchnorm:
+            module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        self.module = module
+        self.model = DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        cls, kwargs = job.optimizer
+        self.optimizer = cls(self.model.parameters(), **kwargs)
+        self.scaler = torch.amp.GradScaler("cuda") if job.precision == "fp16" else None
+        if job.precision == "fp16" and self.device.type != "cuda":
+            raise JobError("precision='fp16' needs a GPU (loss scaling); use precision='bf16' on the CPU")
+        self.is_main = self.rank == 0
+        self.skipped_steps = 0
+
+    # -- data ------------------------------------------------------------------
+    def epoch_loader(self, dataset, epoch: int, first_batch: int):
+        sampler = DistributedSampler(dataset, num_replicas=self.world, rank=self.rank, shuffle=True,
+                                     seed=self.job.seed, drop_last=True)
+        sampler.set_epoch(epoch)
+        batches = list(torch.utils.data.BatchSampler(sampler, self.local_batch, drop_last=True))
+        steps = len(batches) // self.job.accumulate
+        usable = batches[first_batch * self.job.accumulate: steps * self.job.accumulate]
+        it = iter(DataLoader(dataset, batch_sampler=usable))
+        acc = self.job.accumulate
+        return ([next(it) for _ in range(acc)] for _ in range(len(usable) // acc)), steps
+
+    def steps_per_epoch(self, n: int) -> int:
+        return (n // self.world // self.local_batch) // self.job.accumulate
+
+    # -- training ------------------------------------------------------------------
+    def train_step(self, group: list) -> tuple[float, int]:
+        """One optimizer step over ``accumulate`` local batches; returns (global mean loss, samples)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(group):
+            last = i == len(group) - 1
+            sync = contextlib.nullcontext() if last else self.model.no_sync()
+            with sync, self._autocast():
+                out = self.model(to_device(x, self.device))
+                loss = self.job.loss(out, to_device(y, self.device)) / len(group)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        total /= self.world
+        if not torch.isfinite(total):
+            if self.job.nonfinite == "stop":
+                from .errors import NonFiniteLossError
+                raise NonFiniteLossError(f"the loss is {total.item()} (DDP mode): set Job(nonfinite='skip') to skip")
+            self.skipped_steps += 1
+            return total.item(), self.job.batch_size * len(group)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        return total.item(), self.job.batch_size * len(group)
+
+    def _autocast(self):
+        if self.job.precision in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if self.job.precision == "bf16" else torch.float16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, dataset) -> float:
+        """The metric over the whole held-out set: each rank scores every world-th sample."""
+        self.model.eval()
+        mine = list(range(self.rank, len(dataset), self.world))
+        acc = torch.zeros(2, dtype=torch.float64)
+        for x, y in DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=self.local_batch):
+            with self._autocast():
+                out = self.model.module(to_device(x, self.device))
+            n = batch_size(x)
+            acc += torch.tensor([float(self.job.metric(out.float().cpu(), y)) * n, n], dtype=torch.float64)
+        dist.all_reduce(acc)
+        self.model.train()
+        return (acc[0] / acc[1].clamp(min=1)).item()
+
+    def train(self) -> None:
+        self.model.train()
+
+    # -- state (the checkpoint format of every mode) -------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state, strict=True)
+
+    def optimizer_state(self) -> dict[str, dict[str, Any]]:
+        names = {p: n for n, p in self.module.named_parameters()}
+        return {names[p]: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                for p, s in self.optimizer.state.items()}
+
+    def load_optimizer_state(self, state: dict[str, dict[str, Any]]) -> None:
+        for name, p in self.module.named_parameters():
+            if name in state:
+                self.optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                           for k, v in state[name].items()}
+
+    def describe(self) -> str:
+        return (f"DDP on {self.world} ranks ({'nccl' if self.device.type == 'cuda' else 'gloo'}), "
+                f"{self.local_batch} samples per rank, accumulate {self.job.accumulate}, {self.job.precision}")
+
+    def explain(self, exc: BaseException) -> BaseException:
+        return exc
+
+    def barrier(self) -> None:
+        dist.barrier()
