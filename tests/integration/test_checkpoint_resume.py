@@ -12,7 +12,7 @@ import torch
 import rpcmp
 from helpers import load, run_ranks
 from rpcmp.checkpoint import load_checkpoint
-from rpcmp.trainer import _save, fit
+from rpcmp.trainer import PipelineEngine, _save, fit
 
 pytestmark = pytest.mark.integration
 ADAM = (torch.optim.Adam, {"lr": 0.01})
@@ -46,7 +46,7 @@ def _train_and_save(job, world_size):
     x, y = next(iter(torch.utils.data.DataLoader(job.data()[0], batch_size=4)))
     pipe.train_step(x, y)
     pipe.eval()
-    _save(job, pipe, 1, 0, 1)
+    _save(job, PipelineEngine(pipe, job), 1, 0, 1)
     return x, pipe.predict(x)
 
 
