@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -35,6 +36,9 @@ def job_options(fn):
         click.option("--checkpoint-every", type=int, help="Steps between checkpoints (0: every epoch)."),
         click.option("--resume", is_flag=True, default=None, help="Continue from the latest checkpoint."),
         click.option("--hang-timeout", type=float, help="Seconds a silent worker may take before the job ends."),
+        click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE)."),
+        click.option("--connect-timeout", type=float, envvar="RPCMP_CONNECT_TIMEOUT",
+                     help="Seconds a worker waits for the master to be reachable (default 60)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -44,6 +48,10 @@ def job_options(fn):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
                 "mode", "accumulate", "precision", "sync_batchnorm",
                 "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout")
+        for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
+            value = kw.pop(opt, None)
+            if value is not None:
+                os.environ[env] = str(value)
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
         for k in keys:
             kw.pop(k, None)

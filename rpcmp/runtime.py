@@ -26,6 +26,7 @@ import torch.distributed.rpc as rpc
 from . import stage as _stage
 from .health import Watchdog
 from .job import Job, load_job
+from .network import preflight
 from .placement import MASTER, process_name
 
 __all__ = ["run_rank", "launch_local", "free_port", "default_threads"]
@@ -83,6 +84,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     """
     _quiet()
     job = load_job(job_path, overrides=overrides)
+    preflight(rank, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
     local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch.set_num_threads(job.threads or default_threads(local))
     if job.mode == "ddp":

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# A simulated multi-node cluster on one machine: one Linux network namespace per node,
+# joined by a bridge in a switch namespace, one address per node. Runs a job on it with
+# torchrun (c10d rendezvous) on every "node", then tears everything down, even on failure.
+#
+#   sudo launch/netns-cluster.sh [--nodes 3] [--timeout 600] [--logs DIR] -- JOB [rpcmp.master options]
+#
+# All nodes share one hostname, as many real clusters effectively do (hostname -> 127.0.1.1):
+# the rendezvous host gets --rdzv-conf is_host=true and every node --local-addr ITS_IP, and
+# rpcmp gets --iface eth0, so that every address that travels is one the others can reach.
+set -euo pipefail
+
+NODES=3
+LIMIT=600
+LOGS=""
+PY=${PYTHON:-python3}
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --nodes) NODES=$2; shift 2 ;;
+    --timeout) LIMIT=$2; shift 2 ;;
+    --logs) LOGS=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "usage: $0 [--nodes N] [--timeout S] [--logs DIR] -- JOB [options]" >&2; exit 2 ;;
+  esac
+done
+[[ $# -ge 1 ]] || { echo "usage: $0 [--nodes N] [--timeout S] [--logs DIR] -- JOB [options]" >&2; exit 2; }
+[[ $(id -u) -eq 0 ]] || { echo "netns-cluster: needs root (ip netns)" >&2; exit 2; }
+
+ID=$$
+SUBNET=10.231.$((ID % 200 + 20))
+SW=rpcmp-sw-$ID
+LOGS=${LOGS:-$(mktemp -d)}
+mkdir -p "$LOGS"
+namespaces=()
+
+cleanup() {
+  local rc=$?
+  for ns in "${namespaces[@]}"; do
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    [[ -n "$pids" ]] && kill -9 $pids 2>/dev/null || true
+  done
+  for ns in "${namespaces[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+  exit $rc
+}
+trap cleanup EXIT INT TERM
+
+ip netns add "$SW"; namespaces+=("$SW")
+ip -n "$SW" link add br0 type bridge
+ip -n "$SW" link set br0 up
+for ((i = 0; i < NODES; i++)); do
+  ns=rpcmp-n$i-$ID
+  ip netns add "$ns"; namespaces+=("$ns")
+  ip link add "vh$i-$ID" netns "$SW" type veth peer name eth0 netns "$ns"
+  ip -n "$SW" link set "vh$i-$ID" master br0 up
+  ip -n "$ns" addr add "$SUBNET.$((i + 1))/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  ip -n "$ns" link set lo up
+done
+echo "netns-cluster: $NODES nodes on $SUBNET.0/24 (rendezvous $SUBNET.1:29400), logs in $LOGS"
+
+pids=()
+for ((i = 0; i < NODES; i++)); do
+  host=false; [[ $i -eq 0 ]] && host=true
+  addr_opt=(--local-addr "$SUBNET.$((i + 1))")
+  # RPCMP_NETNS_OMIT_LOCAL_ADDR=1 reproduces the classic fault, for the tests: see rpcmp/network.py
+  [[ -n "${RPCMP_NETNS_OMIT_LOCAL_ADDR:-}" ]] && addr_opt=()
+  ip netns exec "rpcmp-n$i-$ID" timeout --kill-after=10 "$LIMIT" \
+    "$PY" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node=1 \
+      --rdzv-backend=c10d --rdzv-endpoint="$SUBNET.1:29400" --rdzv-conf "is_host=$host" \
+      "${addr_opt[@]}" \
+      -m rpcmp.master "$@" --iface eth0 >"$LOGS/node$i.log" 2>&1 &
+  pids+=($!)
+done
+
+failed=0
+for ((i = 0; i < NODES; i++)); do
+  if wait "${pids[$i]}"; then echo "node$i: exit 0"; else rc=$?; echo "node$i: exit $rc"; failed=1; fi
+done
+echo "---- node0 (rank 0) log ----"
+grep -v '^\[W' "$LOGS/node0.log" | tail -n 25 || true
+if [[ $failed -ne 0 ]]; then
+  for ((i = 1; i < NODES; i++)); do echo "---- node$i log ----"; tail -n 15 "$LOGS/node$i.log"; done
+fi
+exit $failed

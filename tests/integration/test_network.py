@@ -1,0 +1,105 @@
+"""Across a real network: a three-node cluster in Linux network namespaces, and every
+network misconfiguration ending in a clear error within a bounded time."""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from helpers import job_path
+
+pytestmark = pytest.mark.integration
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "launch", "netns-cluster.sh")
+
+
+def _netns_ok():
+    if os.geteuid() != 0:
+        return "needs root for ip netns"
+    name = f"rpcmp-probe-{uuid.uuid4().hex[:6]}"
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if probe.returncode:
+        return f"ip netns does not work here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", name])
+    return None
+
+
+NETNS_SKIP = _netns_ok()
+needs_netns = pytest.mark.skipif(NETNS_SKIP is not None, reason=f"network namespaces: {NETNS_SKIP}")
+
+
+def _cluster(tmp_path, *job_args, env=None, limit=400):
+    proc = subprocess.run(["bash", SCRIPT, "--timeout", str(limit - 60), "--logs", str(tmp_path), "--", *job_args],
+                          capture_output=True, text=True, timeout=limit,
+                          env={**os.environ, "PYTHON": sys.executable, "COLUMNS": "160", **(env or {})})
+    logs = "".join(open(os.path.join(tmp_path, f)).read() for f in sorted(os.listdir(tmp_path)) if f.endswith(".log"))
+    return proc, logs
+
+
+@needs_netns
+@pytest.mark.timeout(420)
+def test_split_unet_on_three_namespaced_nodes_with_torchrun(tmp_path):
+    unet = os.path.join(ROOT, "examples", "unet_split", "job.py")
+    proc, logs = _cluster(tmp_path, unet, "--max-steps", "6")
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr + logs
+    assert all(f"node{i}: exit 0" in out for i in range(3)), out
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+)", out)
+    assert m and float(m.group(2)) < float(m.group(1)), out
+    assert "0:encoder@worker1/cpu" in out and "2:segmentation_head@master/cpu" in out
+    assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
+    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if n.startswith(("rpcmp-n", "rpcmp-sw"))], "namespaces were left behind"
+
+
+@needs_netns
+@pytest.mark.timeout(300)
+def test_master_addr_on_loopback_across_nodes_is_an_error_not_a_hang(tmp_path):
+    start = time.monotonic()
+    proc, logs = _cluster(tmp_path, job_path("mlp"), env={"RPCMP_NETNS_OMIT_LOCAL_ADDR": "1"}, limit=240)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 150
+    assert "resolves to 127.0.0.1 (loopback), but the job spans 3 nodes" in logs and "--local-addr" in logs
+
+
+def _master(env, *args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "rpcmp.master", job_path("mlp"), *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **env})
+
+
+def _closed_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_interface_that_does_not_exist():
+    proc = _master({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_closed_port())},
+                   "--iface", "nope0")
+    assert proc.returncode == 1
+    assert "network interface 'nope0' does not exist" in proc.stderr and "'lo'" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_master_reports_the_time_waited():
+    start = time.monotonic()
+    proc = _master({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_closed_port())},
+                   "--connect-timeout", "3")
+    assert proc.returncode == 1 and time.monotonic() - start < 30
+    assert re.search(r"the master at 127.0.0.1:\d+ is unreachable: waited [34]s", proc.stderr), proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _master({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert proc.returncode == 1
+    assert f"port {port} on 127.0.0.1 is in use" in proc.stderr
