@@ -118,6 +118,16 @@ def plan(job_file, world_size, overrides):
     Console().print(table)
 
 
+@main.command()
+@click.option("--master", help="HOST:PORT of the master (or rendezvous) to check reachability.")
+@click.option("--iface", envvar="RPCMP_IFACE", help="The interface rpcmp should use (env RPCMP_IFACE).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes the job will span.")
+def doctor(master, iface, nodes):
+    """Check this node before a job: interfaces, hostname, master port, backends, GPUs."""
+    from .doctor import diagnose, render
+    sys.exit(0 if render(diagnose(master, iface, nodes), Console(width=160)) else 1)
+
+
 def _optimizer_states(cls, kwargs) -> int:
     name = cls.__name__.lower()
     if "adam" in name:

@@ -1,0 +1,37 @@
+"""The launch recipes: syntax, and the exact torchrun command the SLURM script builds."""
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SLURM = os.path.join(ROOT, "launch", "slurm.sbatch")
+ENV = {"SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "nodea,nodeb,nodec", "SLURM_GPUS_PER_NODE": "a100:2",
+       "SLURM_JOB_ID": "77"}
+
+
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(os.path.join(ROOT, "launch"))
+                                          if f.endswith((".sh", ".sbatch"))))
+def test_scripts_parse(script):
+    subprocess.run(["bash", "-n", os.path.join(ROOT, "launch", script)], check=True)
+
+
+def test_slurm_builds_the_torchrun_command(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    # srun runs the node command once, here; PYTHON=echo prints what torchrun would get
+    (fake / "srun").write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (fake / "srun").chmod(0o755)
+    env = {**os.environ, **ENV, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHON": "echo"}
+    out = subprocess.run(["bash", SLURM, "examples/unet_split/job.py", "--max-steps", "5"], env=env,
+                         capture_output=True, text=True, check=True).stdout.split()
+    ip = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    assert out == ["-m", "torch.distributed.run", "--nnodes=3", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=nodea:29400", "--rdzv-id=77", "--local-addr", ip,
+                   "-m", "rpcmp.master", "examples/unet_split/job.py", "--max-steps", "5"]
+
+
+def test_slurm_outside_an_allocation_says_so():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", SLURM, "job.py"], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "not inside a SLURM allocation" in proc.stderr
