@@ -72,16 +72,49 @@ def main():
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@click.option("--local", "nprocs", type=int, required=True,
-              help="Number of processes to start on this machine (master + workers).")
+@click.option("--local", "nprocs", type=int, help="Start this many processes on this machine (master + workers).")
+@click.option("--workers", type=int, help="Use this many worker daemons (`rpcmp worker`) instead.")
+@click.option("--listen", default="127.0.0.1:29500", show_default=True,
+              help="With --workers: HOST:PORT the master listens on (RPC on PORT, job offers on PORT+1).")
+@click.option("--token-file", type=click.Path(dir_okay=False), help="With --workers: the shared job token.")
 @job_options
-def run(job_file, nprocs, overrides):
-    """Train JOB_FILE. With --local N: N processes on this machine, bound to loopback."""
-    from .runtime import launch_local
+def run(job_file, nprocs, workers, listen, token_file, overrides):
+    """Train JOB_FILE on --local N processes, or on --workers N daemons."""
+    from .runtime import launch_local, run_rank
     from .trainer import fit
+    if (nprocs is None) == (workers is None):
+        raise click.BadParameter("give exactly one of --local N (processes here) or --workers N (daemons)")
+    if workers is not None:
+        from .network import select_interface
+        from .worker import publish_job, read_token
+        select_interface()
+        host, _, port = listen.rpartition(":")
+        timeout = float(os.environ.get("RPCMP_CONNECT_TIMEOUT", "60"))
+        store = publish_job(job_file, workers, host, int(port), read_token(None, token_file), overrides, timeout)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
+        run_rank(job_file, 0, workers + 1, fit, overrides, local_procs=1)
+        del store
+        return
     if nprocs < 2:
         raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
     launch_local(job_file, nprocs, fit, overrides=overrides)
+
+
+@main.command()
+@click.option("--master", required=True, help="HOST:PORT of the master (`rpcmp run --workers N --listen HOST:PORT`).")
+@click.option("--rank", type=int, required=True, help="This daemon's rank (1..N).")
+@click.option("--token-file", type=click.Path(dir_okay=False), help="The shared job token (or env RPCMP_TOKEN).")
+@click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE).")
+def worker(master, rank, token_file, iface):
+    """Run a worker daemon: serve jobs from MASTER one after another, until SIGTERM."""
+    from .network import select_interface
+    from .worker import read_token, serve_forever
+    try:
+        select_interface(iface)
+        serve_forever(master, rank, read_token(None, token_file))
+    except RpcmpError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
 
 
 @main.command()

@@ -64,6 +64,7 @@ def wait_reachable(host: str, port: int, timeout: float) -> float:
 def port_free(host: str, port: int) -> None:
     try:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the stores do: TIME_WAIT is no conflict
             s.bind((host, port))
     except OSError as exc:
         raise NetworkError(f"port {port} on {host} is in use ({exc.strerror}): another job or an old master still "
