@@ -60,6 +60,7 @@ class DDPEngine:
         self.model = DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         cls, kwargs = job.optimizer
         self.optimizer = cls(self.model.parameters(), **kwargs)
+        self.scheduler = job.scheduler[0](self.optimizer, **job.scheduler[1]) if job.scheduler else None
         self.scaler = torch.amp.GradScaler("cuda") if job.precision == "fp16" else None
         if job.precision == "fp16" and self.device.type != "cuda":
             raise JobError("precision='fp16' needs a GPU (loss scaling); use precision='bf16' on the CPU")
@@ -102,11 +103,17 @@ class DDPEngine:
                 raise NonFiniteLossError(f"the loss is {total.item()} (DDP mode): set Job(nonfinite='skip') to skip")
             self.skipped_steps += 1
             return total.item(), self.job.batch_size * len(group)
+        if self.job.clip_grad_norm:
+            if self.scaler:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.job.clip_grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return total.item(), self.job.batch_size * len(group)
 
     def _autocast(self):
@@ -150,6 +157,18 @@ class DDPEngine:
             if name in state:
                 self.optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
                                            for k, v in state[name].items()}
+
+    def step_metrics(self) -> dict:
+        return {"lr": self.optimizer.param_groups[0]["lr"]}
+
+    def epoch_metrics(self) -> dict:
+        import resource
+        return {"rank0_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+    def load_scheduler_state(self, state) -> None:
+        self.scheduler.load_state_dict(state)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.scheduler.get_last_lr()[0]
 
     def describe(self) -> str:
         return (f"DDP on {self.world} ranks ({'nccl' if self.device.type == 'cuda' else 'gloo'}), "

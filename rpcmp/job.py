@@ -45,6 +45,8 @@ class Job:
     metric: Callable[[Any, Any], float] | None = None  # higher is better, on held-out data
     metric_name: str = "metric"
     optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.01})
+    scheduler: tuple[type, dict] | None = None  # (torch.optim.lr_scheduler.<Class>, {kwargs}), stepped per step
+    clip_grad_norm: float | None = None  # clip by the global norm over every stage
     batch_size: int = 8
     microbatches: int = 1
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
@@ -60,6 +62,7 @@ class Job:
     rpc_timeout: float = 60.0
     nonfinite: str = "stop"  # NaN/inf loss: "stop" with an error, or "skip" the update with a warning
     hang_timeout: float = 20.0  # a worker silent this long ends the job (0: never; a dead one is seen at once)
+    metrics_file: str | None = None  # JSON lines: one per step, epoch and run end
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: at the end of every epoch
     keep_last: int = 2
@@ -101,6 +104,14 @@ class Job:
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise JobError(f"Job.optimizer must be (torch.optim.<Class>, {{kwargs}}), got {self.optimizer!r}")
         self.optimizer = (cls, kwargs)
+        if self.scheduler is not None:
+            scls, skw = _optimizer(self.scheduler)
+            if not (isinstance(scls, type) and issubclass(scls, torch.optim.lr_scheduler.LRScheduler)):
+                raise JobError(f"Job.scheduler must be (torch.optim.lr_scheduler.<Class>, {{kwargs}}) stepped once "
+                               f"per optimizer step (ReduceLROnPlateau is not supported), got {self.scheduler!r}")
+            self.scheduler = (scls, skw)
+        if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
+            raise JobError(f"Job.clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise JobError(f"Job.threads must be None or a positive integer, got {self.threads!r}")
 

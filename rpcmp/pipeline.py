@@ -33,6 +33,7 @@ context per step and computes the loss once on the gathered output: exact for an
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,9 @@ class Pipeline:
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.schedule = schedule or job.schedule
         self.skipped_steps = 0
+        self.last_grad_norm = None
+        self._lr = kwargs.get("lr")
+        self._lr_probe, self.scheduler = _scheduler(job, kwargs)
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
     # -- running micro-batches ------------------------------------------------
@@ -115,7 +119,9 @@ class Pipeline:
             loss = self.job.loss(out, y)
             dist_autograd.backward(ctx, [loss])
             if self.optimizer is not None and self._finite(loss):
+                self._clip(ctx)
                 self.optimizer.step(ctx)
+                self._schedule_lr()
         return loss.detach()
 
     def _step_overlap(self, x: Any, y: Any, chunks: int | None) -> torch.Tensor:
@@ -150,7 +156,9 @@ class Pipeline:
             backward_done.wait()
             if self.optimizer is not None and self._finite(torch.stack(losses).sum()):
                 _wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(ctx_ids,)) for o in self._param_owners])
+                self._clip(ctx_ids[0])
                 self.optimizer.step(ctx_ids[0])
+                self._schedule_lr()
         except threading.BrokenBarrierError:
             pass
         finally:
@@ -163,6 +171,37 @@ class Pipeline:
             self._resync()
             raise _unwrap(errors[0])
         return torch.stack(losses).sum()
+
+    def _clip(self, ctx_id: int) -> None:
+        """Clip by the global norm over every stage, as clip_grad_norm_ does on the unsplit model."""
+        if not self.job.clip_grad_norm:
+            return
+        sq = _wait_all([rpc.rpc_async(o, _stage._grad_sq_norm, args=(ctx_id,)) for o in self._param_owners])
+        self.last_grad_norm = math.sqrt(sum(sq))
+        coef = min(1.0, self.job.clip_grad_norm / (self.last_grad_norm + 1e-6))
+        if coef < 1.0:
+            _wait_all([rpc.rpc_async(o, _stage._scale_grads, args=(ctx_id, coef)) for o in self._param_owners])
+
+    def _schedule_lr(self) -> None:
+        """Step the LR scheduler and send a changed learning rate to every stage's optimizer.
+
+        The scheduler runs on the master around a one-parameter probe optimizer (the
+        remote optimizers are not ``torch.optim.Optimizer`` objects it could wrap).
+        """
+        if self.scheduler is None:
+            return
+        self._lr_probe.step()
+        self.scheduler.step()
+        self.set_lr(self._lr_probe.param_groups[0]["lr"])
+
+    def set_lr(self, lr: float) -> None:
+        if lr != self._lr:
+            _wait_all([rpc.rpc_async(r.owner(), _stage._set_lr, args=(r, lr)) for r in self._remote_optimizers])
+            self._lr = lr
+
+    def learning_rates(self) -> list[float]:
+        """The learning rate each owner's optimizer will use next (for checks and logs)."""
+        return _wait_all([rpc.rpc_async(r.owner(), _stage._get_lr, args=(r,)) for r in self._remote_optimizers])
 
     def _finite(self, loss: torch.Tensor) -> bool:
         """False (skip this step's update) or raise, as ``Job.nonfinite`` says, for a NaN/inf loss."""
@@ -242,6 +281,14 @@ class Pipeline:
             self._each(_stage._resync, self._seq)
         except Exception:  # the original error is the one worth reporting
             pass
+
+
+def _scheduler(job, optim_kwargs: dict):
+    if job.scheduler is None:
+        return None, None
+    cls, kwargs = job.scheduler
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=optim_kwargs.get("lr", 1e-3))
+    return probe, cls(probe, **kwargs)
 
 
 def _wait_all(futs) -> list:

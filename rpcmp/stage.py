@@ -29,6 +29,7 @@ upstream stage sits idle until the last one is done (measured: 141 ms instead of
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 import traceback
@@ -178,6 +179,30 @@ def _merge_grads(ctx_ids: list[int]) -> None:
             base[param].add_(grad)
 
 
+def _grad_sq_norm(ctx_id: int) -> float:
+    """Sum of squares of every gradient this process holds in the context (for global clipping)."""
+    return float(sum(g.double().pow(2).sum() for g in dist_autograd.get_gradients(ctx_id).values()))
+
+
+def _scale_grads(ctx_id: int, scale: float) -> None:
+    for g in dist_autograd.get_gradients(ctx_id).values():
+        g.mul_(scale)
+
+
+def _set_lr(optim_rref, lr: float) -> None:
+    optim = optim_rref.local_value().optim
+    if hasattr(optim, "param_groups"):  # a torch.optim optimizer
+        for group in optim.param_groups:
+            group["lr"] = lr
+    else:  # a functional optimizer reads defaults["lr"] at every step
+        optim.defaults["lr"] = lr
+
+
+def _get_lr(optim_rref) -> float:
+    optim = optim_rref.local_value().optim
+    return optim.param_groups[0]["lr"] if hasattr(optim, "param_groups") else optim.defaults["lr"]
+
+
 def _set_training(pid: int, index: int, mode: bool) -> None:
     _HOSTS[(pid, index)].module.train(mode)
 
@@ -226,7 +251,8 @@ def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torc
 
 def _stats(pid: int, index: int) -> dict[str, float]:
     host = _HOSTS[(pid, index)]
-    return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid()}
+    return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid(),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def _release(pid: int) -> None:

@@ -1,6 +1,8 @@
 """The training loop on the master: data, steps, progress, held-out metric."""
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
@@ -35,6 +37,7 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
     if before is not None:
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
     losses, samples, saved, start = [], 0, None, time.perf_counter()
+    log = MetricsLog(job.metrics_file if engine.is_main else None)
     columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} samples/s"),
                TimeRemainingColumn())
@@ -46,6 +49,7 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
             position = (epoch + 1, 0)
             for k, group in enumerate(groups, start=first_batch):
                 health.status["step"] = step + 1
+                step_start = time.perf_counter()
                 try:
                     loss, n = engine.train_step(group)
                 except Exception as exc:
@@ -53,6 +57,8 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
                 losses.append(loss)
                 step += 1
                 samples += n
+                log.write(kind="step", step=step, epoch=epoch + 1, loss=loss, samples=n,
+                          step_s=time.perf_counter() - step_start, **engine.step_metrics())
                 progress.update(task, advance=1, epoch=epoch + 1, loss=loss,
                                 rate=samples / (time.perf_counter() - start))
                 position = (epoch, k + 1) if k + 1 < steps else (epoch + 1, 0)
@@ -60,6 +66,8 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
                     saved = _save(job, engine, step, *position)
                 if step >= total:
                     break
+            log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),
+                      **engine.epoch_metrics())
             epoch, first_batch = position
             if job.checkpoint_dir and not job.checkpoint_every and saved != step:
                 saved = _save(job, engine, step, epoch, first_batch)
@@ -67,6 +75,9 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         _save(job, engine, step, epoch, first_batch)
     elapsed = time.perf_counter() - start
     after = engine.evaluate(heldout) if before is not None else None
+    log.write(kind="end", step=step, metric_before=before, metric_after=after, seconds=elapsed,
+              samples_per_s=samples / elapsed if elapsed else 0.0)
+    log.close()
     engine.summary(console) if hasattr(engine, "summary") else None
     if losses:
         console.print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  "
@@ -75,6 +86,25 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         console.print(f"held-out {job.metric_name}: [bold]{before:.4f} -> {after:.4f}[/]")
     return {"losses": losses, "metric_before": before, "metric_after": after,
             "samples_per_s": samples / elapsed if elapsed else 0.0, "steps": step}
+
+
+class MetricsLog:
+    """JSON lines, one object per step, epoch and run end (``Job.metrics_file`` / ``--metrics``)."""
+
+    def __init__(self, path: str | None):
+        self.file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a")
+
+    def write(self, **record) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"time": time.time(), **record}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def make_engine(job, world_size: int, train_set=None):
@@ -133,6 +163,26 @@ class PipelineEngine:
     def load_optimizer_state(self, state) -> None:
         self.pipe.load_optimizer_state(state)
 
+    @property
+    def scheduler(self):
+        return self.pipe.scheduler
+
+    def step_metrics(self) -> dict:
+        return {"lr": self.pipe._lr, "grad_norm": self.pipe.last_grad_norm}
+
+    def epoch_metrics(self) -> dict:
+        stats = self.pipe.stats()
+        return {"stages": [{"stage": s.index, "name": s.name, "owner": str(p), "forward_s": st["compute_s"],
+                            "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"]}
+                           for s, p, st in zip(self.pipe.specs, self.pipe.places, stats)]}
+
+    def load_scheduler_state(self, state) -> None:
+        self.pipe.scheduler.load_state_dict(state)
+        lr = self.pipe.scheduler.get_last_lr()[0]
+        for group in self.pipe._lr_probe.param_groups:
+            group["lr"] = lr
+        self.pipe.set_lr(lr)
+
     def describe(self) -> str:
         pipe = self.pipe
         return ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
@@ -166,6 +216,7 @@ def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
     health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
         "mode": engine.mode, "model": engine.state_dict(),
         "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},
+        "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
     }, step, job.keep_last)
     return step
@@ -185,6 +236,8 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int]:
                               f"{cls.__name__}: use the same optimizer, or start without --resume")
     pipe.load_state_dict(ckpt["model"])
     pipe.load_optimizer_state(ckpt["optimizer"]["state"])
+    if pipe.scheduler is not None and ckpt.get("scheduler"):
+        pipe.load_scheduler_state(ckpt["scheduler"])
     console.print(f"resumed from {ckpt['path']} (step {ckpt['step']}, written in {ckpt['mode']} mode)")
     return ckpt["step"], ckpt["epoch"], ckpt["next_batch"]
 

@@ -1,4 +1,5 @@
 """The two ways to launch a job on one machine, end to end, as a user runs them."""
+import json
 import os
 import re
 import subprocess
@@ -28,8 +29,18 @@ def _check_trained(proc):
 
 
 @pytest.mark.timeout(300)
-def test_rpcmp_run_local():
-    _check_trained(_run([os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--max-steps", "24"]))
+def test_rpcmp_run_local(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    _check_trained(_run([os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--max-steps", "24",
+                         "--metrics", str(metrics)]))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == list(range(1, 25)) and all(r["loss"] > 0 and r["step_s"] > 0 for r in steps)
+    epoch = next(r for r in records if r["kind"] == "epoch")
+    assert [s["owner"] for s in epoch["stages"]] == ["worker1/cpu", "worker2/cpu"]
+    assert all(s["forward_s"] > 0 and s["micro_batches"] == 2 * 24 + 2 * 8 for s in epoch["stages"])
+    end = records[-1]
+    assert end["kind"] == "end" and end["metric_after"] > end["metric_before"]
 
 
 @pytest.mark.timeout(300)
