@@ -11,6 +11,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import RpcmpError
@@ -59,8 +60,8 @@ def job_options(fn):
         try:
             return fn(**kw)
         except RpcmpError as exc:
-            Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False,
-                                       soft_wrap=True)
+            Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}",
+                                       highlight=False, soft_wrap=True)
             sys.exit(2 if isinstance(exc, ValueError) else 1)  # 2: a mistake in the input; 1: a failure
     return wrapper
 
@@ -114,7 +115,8 @@ def worker(master, rank, token_file, iface):
         select_interface(iface)
         serve_forever(master, rank, read_token(None, token_file))
     except RpcmpError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {exc}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}", highlight=False,
+                                   soft_wrap=True)
         sys.exit(2)
 
 

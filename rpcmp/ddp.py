@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,14 +28,19 @@ from .microbatch import batch_size, to_device
 __all__ = ["DDPEngine", "init_ddp"]
 
 
-def init_ddp(rank: int, world_size: int) -> torch.device:
-    """Join the process group (env://) and pick this rank's device."""
+def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.device:
+    """Join the process group (env://) and pick this rank's device.
+
+    A collective that waits longer than ``hang_timeout`` (when set) fails instead of
+    waiting out the 30-minute default for a rank that froze.
+    """
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
+    timeout = timedelta(seconds=max(hang_timeout, 60.0)) if hang_timeout else None
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout)
     return device
 
 
@@ -55,6 +61,9 @@ class DDPEngine:
         torch.manual_seed(job.seed)
         module = job.model().to(self.device)
         if job.sync_batchnorm:
+            if self.device.type != "cuda":
+                raise JobError("sync_batchnorm=True needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only); "
+                               "drop --sync-batchnorm on the CPU")
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         self.module = module
         self.model = DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -175,7 +184,9 @@ class DDPEngine:
                 f"{self.local_batch} samples per rank, accumulate {self.job.accumulate}, {self.job.precision}")
 
     def explain(self, exc: BaseException) -> BaseException:
-        return exc
+        from .trainer import _DEVICE
+        beats = _DEVICE.get("heartbeats")
+        return beats.explain(exc) if beats is not None else exc
 
     def barrier(self) -> None:
         dist.barrier()

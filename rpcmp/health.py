@@ -13,12 +13,13 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 
 import torch.distributed.rpc as rpc
 
 from .errors import StageError
 
-__all__ = ["WorkerLostError", "Watchdog", "explain", "status"]
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "status"]
 
 # What the master is doing, for the messages: set by Pipeline and the trainer.
 status: dict = {"step": 0, "checkpoint": None, "stages": {}}
@@ -44,7 +45,7 @@ def unresponsive(processes, timeout: float) -> list[str]:
 
 
 def describe(lost: list[str], how: str) -> str:
-    who = ", ".join(f"{p} (stage {', '.join(status['stages'].get(p, ['none']))})" for p in lost)
+    who = ", ".join(f"{p} ({', '.join(status['stages'].get(p, ['no stage']))})" for p in lost)
     ckpt = (f"The last checkpoint is {status['checkpoint']}: rerun with --resume to continue from it"
             if status["checkpoint"] else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
     return (f"at step {status['step']}: {who} {how}. Look at that process's log or node (killed? out of "
@@ -82,6 +83,61 @@ class Watchdog(threading.Thread):
                 for child in multiprocessing.active_children():  # local workers, even stopped ones
                     child.kill()
                 os._exit(3)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Heartbeats(threading.Thread):
+    """DDP mode has no RPC to ping with: every rank stamps a key in the rendezvous store
+    each second, and rank 0 ends the job when one has been silent for ``timeout`` seconds.
+    After a collective fails, :meth:`explain` names the ranks that went silent."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, store):
+        super().__init__(daemon=True, name="rpcmp-heartbeats")
+        self.rank, self.world, self.timeout, self.store = rank, world_size, timeout, store
+        self._stop = threading.Event()
+        status["stages"] = {f"worker{r}" if r else "master": ["DDP replica"] for r in range(world_size)}
+
+    def _beat(self) -> None:
+        self.store.set(f"rpcmp/hb/{self.rank}", repr(time.time()))
+
+    def silent(self, limit: float) -> list[int]:
+        now, out = time.time(), []
+        for r in range(self.world):
+            if r != self.rank and self.store.check([f"rpcmp/hb/{r}"]):
+                if now - float(self.store.get(f"rpcmp/hb/{r}").decode()) > limit:
+                    out.append(r)
+        return out
+
+    def run(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                self._beat()
+                lost = self.silent(self.timeout) if self.rank == 0 and self.timeout else []
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending
+                return
+            if lost and not self._stop.is_set():
+                names = [f"worker{r}" for r in lost]
+                print("rpcmp: error: WorkerLostError: " + describe(
+                    names, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
+                    file=sys.stderr, flush=True)
+                for child in multiprocessing.active_children():
+                    child.kill()
+                os._exit(3)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        deadline = time.time() + 3.0
+        while time.time() < deadline:
+            try:
+                lost = self.silent(2.0)
+            except Exception:  # noqa: BLE001
+                break
+            if lost:
+                return WorkerLostError(describe([f"worker{r}" for r in lost],
+                                                f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
+            time.sleep(0.25)
+        return exc
 
     def stop(self) -> None:
         self._stop.set()

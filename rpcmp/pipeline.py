@@ -75,7 +75,7 @@ class Pipeline:
         self.param_rrefs = [r for refs in _wait_all(futs) for r in refs]
         health.status["stages"] = {}
         for spec, place in zip(self.specs, self.places):
-            health.status["stages"].setdefault(place.process, []).append(f"{spec.index} {spec.name}")
+            health.status["stages"].setdefault(place.process, []).append(f"stage {spec.index} {spec.name}")
         cls, kwargs = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})

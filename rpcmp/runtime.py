@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 import warnings
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -114,11 +115,18 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
 def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
     """DDP mode: no RPC; every rank runs ``main`` (the trainer) in one process group."""
     from .ddp import init_ddp
+    from .health import Heartbeats
     from .trainer import _DEVICE
-    _DEVICE["ddp"] = init_ddp(rank, world_size)
+    _DEVICE["ddp"] = init_ddp(rank, world_size, job.hang_timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=30))
+    beats = _DEVICE["heartbeats"] = Heartbeats(rank, world_size, job.hang_timeout, store)
+    beats._beat()
+    beats.start()
     try:
         result = main(job, world_size) if main is not None else None
     finally:
+        beats.stop()
         dist.destroy_process_group()
     return result if rank == 0 else None
 

@@ -29,12 +29,18 @@ def _alive(pid):
     return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
 
 
+MODES = {"pipeline": (["--local", "3"], 2, "worker1 (stage 0 layers[0:3])"),
+         "ddp": (["--local", "2", "--mode", "ddp"], 1, "worker1 (DDP replica)")}
+
+
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("sig,bound", [(signal.SIGKILL, 10.0), (signal.SIGSTOP, 5.0 + 10.0)])
-def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound):
+def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
+    launch, nworkers, named = MODES[mode]
     ckpt_dir = str(tmp_path / "ckpt")
     proc = subprocess.Popen(
-        [os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--epochs", "200",
+        [os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), *launch, "--epochs", "200",
          "--checkpoint-dir", ckpt_dir, "--checkpoint-every", "40", "--hang-timeout", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -43,7 +49,7 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.2)
         workers = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-        assert len(workers) == 2
+        assert len(workers) == nworkers
         everyone = [proc.pid] + workers
         os.kill(workers[0], sig)  # the first spawned is worker1, owner of stage 0
         start = time.monotonic()
@@ -54,7 +60,7 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
     assert waited < bound, f"took {waited:.1f}s"
-    assert "WorkerLostError" in err and "worker1 (stage 0 layers[0:3])" in err and "at step" in err, err
+    assert "WorkerLostError" in err and named in err and "at step" in err, err
     assert "--resume" in err
     time.sleep(1.0)
     assert not [p for p in everyone if _alive(p)], "processes were left behind"
