@@ -93,7 +93,7 @@ def run(job_file, nprocs, workers, listen, token_file, overrides):
         host, _, port = listen.rpartition(":")
         timeout = float(os.environ.get("RPCMP_CONNECT_TIMEOUT", "60"))
         store = publish_job(job_file, workers, host, int(port), read_token(None, token_file), overrides, timeout)
-        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
         run_rank(job_file, 0, workers + 1, fit, overrides, local_procs=1)
         del store
         return

@@ -27,7 +27,7 @@ import torch.distributed.rpc as rpc
 from . import stage as _stage
 from .health import Watchdog
 from .job import Job, load_job
-from .network import preflight
+from .network import bound_store, preflight
 from .placement import MASTER, process_name
 
 __all__ = ["run_rank", "launch_local", "free_port", "default_threads"]
@@ -162,10 +162,12 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=loop, daemon=True, name="rpcmp-parent-watch").start()
 
 
+_LOCAL_ENV = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
 def _local_child(job_path, rank, world_size, port, overrides, main, results, parent):
     _watch_parent(parent)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
     try:
         out = run_rank(job_path, rank, world_size, main, overrides, local_procs=world_size)
         if results is not None:
@@ -188,6 +190,8 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     """
     ctx = mp.get_context("spawn")
     port = free_port()
+    # The rendezvous store listens on loopback only; every rank joins it as a client.
+    store = bound_store("127.0.0.1", port)  # noqa: F841 - lives as long as the run
     results = None if master_in_process else ctx.Queue()
     first = 1 if master_in_process else 0
     procs = []
@@ -200,9 +204,8 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         if master_in_process:
-            saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "TP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                              TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo")
+            saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", *_LOCAL_ENV)}
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
             try:
                 result = run_rank(job_path, 0, nprocs, main, overrides, local_procs=nprocs)
             finally:

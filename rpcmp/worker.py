@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .errors import JobError
-from .network import NetworkError, port_free
+from .network import NetworkError, bound_store, port_free
 
 __all__ = ["serve_forever", "publish_job"]
 
@@ -62,7 +62,8 @@ def publish_job(job_file: str, workers: int, host: str, port: int, token: str, o
     """Offer the job to ``workers`` daemons and wait until all have joined; return the store."""
     for p in (port, port + 1):
         port_free(host, p)
-    store = dist.TCPStore(host, port + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    rendezvous = bound_store(host, port)  # the RPC rendezvous, on `host` only
+    store = bound_store(host, port + 1)
     job_id = uuid.uuid4().hex
     folder = os.path.dirname(os.path.abspath(job_file))
     files = {n: base64.b64encode(open(os.path.join(folder, n), "rb").read()).decode()
@@ -86,7 +87,7 @@ def publish_job(job_file: str, workers: int, host: str, port: int, token: str, o
                 f"worker daemons of rank {missing} did not join within {join_timeout:.0f}s: is `rpcmp worker "
                 f"--master {host}:{port} --rank R` running on their nodes, with the same token?")
         time.sleep(0.05)
-    return store
+    return store, rendezvous
 
 
 # -- daemon side -------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
 
 def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides) -> None:
     from .runtime import run_rank
-    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     run_rank(job_path, rank, world_size, None, overrides, local_procs=1)
 
 

@@ -2,7 +2,9 @@
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 import sys
 
 import pytest
@@ -56,3 +58,23 @@ def test_master_outside_torchrun_says_how_to_launch():
     proc = subprocess.run([sys.executable, "-m", "rpcmp.master", job_path("mlp")], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "runs under torchrun" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_local_run_listens_on_loopback_only():
+    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--epochs", "100"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline, listening = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            pids = {proc.pid, *map(int, subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                      text=True).stdout.split())}
+            lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+            listening = [ln.split()[3] for ln in lines if any(f"pid={p}," in ln for p in pids)]
+            if len(listening) >= 4:  # the store + one TensorPipe listener per process
+                break
+            time.sleep(0.5)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert len(listening) >= 4, listening
+    assert all(addr.startswith("127.0.0.1:") for addr in listening), listening
