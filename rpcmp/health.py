@@ -77,7 +77,7 @@ class Watchdog(threading.Thread):
         while not self._stop.wait(self.interval):
             lost = unresponsive(self.workers, self.timeout)
             if lost and not self._stop.is_set():
-                print(f"rpcmp: error: WorkerLostError: " + describe(
+                print("rpcmp: error: WorkerLostError: " + describe(
                     lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
                     file=sys.stderr, flush=True)
                 for child in multiprocessing.active_children():  # local workers, even stopped ones

@@ -17,7 +17,7 @@ import torch
 
 from .errors import PlacementError
 
-__all__ = ["Place", "process_name", "resolve_placement", "MASTER"]
+__all__ = ["Place", "process_name", "resolve_placement", "device_maps_for", "MASTER"]
 
 MASTER = "master"
 
@@ -90,3 +90,25 @@ def check_device(place: Place) -> torch.device:
                 f"place it on 'cpu' or on one of cuda:0..cuda:{max(count - 1, 0)}"
             )
     return dev
+
+
+def device_maps_for(places: list[Place], me: str) -> dict[str, dict[str, str]]:
+    """TensorPipe device maps for ``Job(device_maps=True)``: CUDA activations go from
+    stage i to stage i + 1 (and gradients back) without a trip through host memory.
+
+    Returns ``{peer: {my_device: peer_device}}`` for every neighbouring pair of CUDA
+    stages on different processes that involves process ``me``.
+
+    >>> p = [Place("worker1", "cuda:0"), Place("worker2", "cuda:1"), Place("master", "cpu")]
+    >>> device_maps_for(p, "worker1"), device_maps_for(p, "worker2")
+    ({'worker2': {'cuda:0': 'cuda:1'}}, {'worker1': {'cuda:1': 'cuda:0'}})
+    """
+    maps: dict[str, dict[str, str]] = {}
+    for a, b in zip(places, places[1:]):
+        if a.process == b.process or not (a.device.startswith("cuda") and b.device.startswith("cuda")):
+            continue
+        if a.process == me:
+            maps.setdefault(b.process, {})[a.device] = b.device
+        elif b.process == me:
+            maps.setdefault(a.process, {})[b.device] = a.device
+    return maps

@@ -28,7 +28,8 @@ from . import stage as _stage
 from .health import Watchdog
 from .job import Job, load_job
 from .network import bound_store, preflight
-from .placement import MASTER, process_name
+from .partition import Split
+from .placement import device_maps_for, process_name, resolve_placement
 
 __all__ = ["run_rank", "launch_local", "free_port", "default_threads"]
 
@@ -92,8 +93,13 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         return _run_ddp_rank(job, rank, world_size, main)
     _stage.set_job(job)
     _fresh_store_prefix()
-    rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size,
-                 rpc_backend_options=_backend_options(job, world_size))
+    options = _backend_options(job, world_size)
+    if job.device_maps:
+        count = job.stages.count if isinstance(job.stages, Split) else len(job.stages)
+        places = resolve_placement(job.placement, count, world_size)
+        for peer, mapping in device_maps_for(places, process_name(rank)).items():
+            options.set_device_map(peer, mapping)
+    rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     result, error, watchdog = None, None, None
     try:
         if rank == 0 and main is not None:

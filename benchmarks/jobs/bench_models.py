@@ -3,7 +3,6 @@ import segmentation_models_pytorch as smp
 import torch
 from torch import nn
 
-import rpcmp
 
 
 def mlp():
