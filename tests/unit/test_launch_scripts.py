@@ -35,3 +35,13 @@ def test_slurm_outside_an_allocation_says_so():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     proc = subprocess.run(["bash", SLURM, "job.py"], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "not inside a SLURM allocation" in proc.stderr
+
+
+def test_slurm_doctor_runs_the_preflight_on_every_node(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (fake / "srun").chmod(0o755)
+    env = {**os.environ, **ENV, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHON": "echo", "DOCTOR": "1"}
+    out = subprocess.run(["bash", SLURM, "job.py"], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["-m", "rpcmp.cli", "doctor", "--nodes", "3", "--master", "nodea:29400"]
