@@ -151,6 +151,9 @@ class Pipeline:
                 errors.append(exc)
                 backward_done.abort()
 
+        if m > self._threads._max_workers:  # every micro-batch thread must run at once (barrier)
+            self._threads.shutdown(wait=False)
+            self._threads = ThreadPoolExecutor(m, thread_name_prefix="rpcmp-micro")
         futs = [self._threads.submit(micro, i) for i in range(m)]
         try:
             backward_done.wait()

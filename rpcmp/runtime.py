@@ -71,7 +71,9 @@ def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptio
         num_worker_threads=threads,
         rpc_timeout=job.rpc_timeout,
         _transports=[job.transport],
-        _channels=os.environ.get("RPCMP_CHANNELS", "basic").split(","),
+        # "basic" moves tensor bytes over the transport itself; measured against "cma" and
+        # "mpt_uv" on the 2-stage MLP it was as fast or faster, and it works across nodes.
+        _channels=["basic"],
     )
 
 
