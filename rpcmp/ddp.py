@@ -82,11 +82,8 @@ class DDPEngine:
                                      seed=self.job.seed, drop_last=True)
         sampler.set_epoch(epoch)
         batches = list(torch.utils.data.BatchSampler(sampler, self.local_batch, drop_last=True))
-        steps = len(batches) // self.job.accumulate
-        usable = batches[first_batch * self.job.accumulate: steps * self.job.accumulate]
-        it = iter(DataLoader(dataset, batch_sampler=usable))
-        acc = self.job.accumulate
-        return ([next(it) for _ in range(acc)] for _ in range(len(usable) // acc)), steps
+        from .trainer import step_groups
+        return step_groups(dataset, batches, first_batch, self.job.accumulate)
 
     def steps_per_epoch(self, n: int) -> int:
         return (n // self.world // self.local_batch) // self.job.accumulate

@@ -131,12 +131,8 @@ class PipelineEngine:
         return n // self.job.batch_size // self.job.accumulate
 
     def epoch_loader(self, dataset, epoch: int, first_batch: int):
-        acc = self.job.accumulate
         batches = epoch_batches(len(dataset), self.job.batch_size, self.job.seed, epoch)
-        steps = len(batches) // acc
-        usable = batches[first_batch * acc: steps * acc]
-        it = iter(DataLoader(dataset, batch_sampler=usable))
-        return ([next(it) for _ in range(acc)] for _ in range(len(usable) // acc)), steps
+        return step_groups(dataset, batches, first_batch, self.job.accumulate)
 
     def train_step(self, group: list) -> tuple[float, int]:
         # Accumulating k batches is one step over their concatenation in k x M micro-batches:
@@ -207,6 +203,16 @@ def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
     """
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
     return [order[i * size:(i + 1) * size] for i in range(n // size)]
+
+
+def step_groups(dataset, batches: list, first_step: int, accumulate: int):
+    """Group an epoch's batches ``accumulate`` at a time (one group per optimizer step),
+    from step ``first_step`` on; an incomplete last group is dropped. Returns the lazy
+    groups and the number of steps in the whole epoch."""
+    steps = len(batches) // accumulate
+    usable = batches[first_step * accumulate: steps * accumulate]
+    it = iter(DataLoader(dataset, batch_sampler=usable))
+    return ([next(it) for _ in range(accumulate)] for _ in range(len(usable) // accumulate)), steps
 
 
 def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:

@@ -26,6 +26,8 @@ def _nonfinite(job, world_size):
             finite_step = pipe.train_step(x, y).item()
             out[(policy, sched)] = (result, unchanged, finite_step)
             pipe.close()
+    # more micro-batches in one step than the pipeline was built for: no deadlock
+    out["more chunks"] = rpcmp.Pipeline(job, world_size, microbatches=2).train_step(x, y, chunks=8).item()
     try:
         rpcmp.Pipeline(job, world_size, microbatches=4).train_step(torch.randn(3, 16), torch.randn(3, 8))
     except rpcmp.MicroBatchError as exc:
@@ -51,3 +53,4 @@ def test_nonfinite_loss_stops_or_skips_and_small_batch_is_refused():
         result, unchanged, next_loss = out[("skip", sched)]
         assert result == "loss nan" and unchanged and next_loss == next_loss
     assert "a batch of 3 samples cannot be split into 4 micro-batches" in out["small batch"]
+    assert out["more chunks"] > 0
