@@ -143,7 +143,7 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
                          f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
     if host.next_process is not None:
         return rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
-    if _whoami() == MASTER:
+    if host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
         return _deliver(pid, seq, y, _now=True)
     return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
 
