@@ -33,6 +33,8 @@ def job_options(fn):
         click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="DDP mode: autocast dtype."),
         click.option("--sync-batchnorm", is_flag=True, default=None, help="DDP mode: SyncBatchNorm."),
         click.option("--schedule", type=click.Choice(["overlap", "gpipe"]), help="Micro-batch schedule."),
+        click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
+                     help="Pipeline mode: write a Chrome-trace timeline of steps 2-4 here."),
         click.option("--metrics", "metrics_file", type=click.Path(dir_okay=False), help="Write JSON-lines metrics here."),
         click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here."),
         click.option("--checkpoint-every", type=int, help="Steps between checkpoints (0: every epoch)."),
@@ -49,7 +51,7 @@ def job_options(fn):
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
                 "mode", "accumulate", "precision", "sync_batchnorm",
-                "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout", "metrics_file")
+                "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout", "metrics_file", "trace_file")
         for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
             value = kw.pop(opt, None)
             if value is not None:

@@ -62,6 +62,7 @@ class Job:
     rpc_timeout: float = 60.0
     nonfinite: str = "stop"  # NaN/inf loss: "stop" with an error, or "skip" the update with a warning
     hang_timeout: float = 20.0  # a worker silent this long ends the job (0: never; a dead one is seen at once)
+    trace_file: str | None = None  # pipeline mode: Chrome-trace JSON of steps 2-4 (see rpcmp/trace.py)
     metrics_file: str | None = None  # JSON lines: one per step, epoch and run end
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: at the end of every epoch

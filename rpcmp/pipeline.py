@@ -158,7 +158,7 @@ class Pipeline:
         try:
             backward_done.wait()
             if self.optimizer is not None and self._finite(torch.stack(losses).sum()):
-                _wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(ctx_ids,)) for o in self._param_owners])
+                _wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(self.pid, ctx_ids)) for o in self._param_owners])
                 self._clip(ctx_ids[0])
                 self.optimizer.step(ctx_ids[0])
                 self._schedule_lr()
@@ -179,11 +179,11 @@ class Pipeline:
         """Clip by the global norm over every stage, as clip_grad_norm_ does on the unsplit model."""
         if not self.job.clip_grad_norm:
             return
-        sq = _wait_all([rpc.rpc_async(o, _stage._grad_sq_norm, args=(ctx_id,)) for o in self._param_owners])
+        sq = _wait_all([rpc.rpc_async(o, _stage._grad_sq_norm, args=(self.pid, ctx_id)) for o in self._param_owners])
         self.last_grad_norm = math.sqrt(sum(sq))
         coef = min(1.0, self.job.clip_grad_norm / (self.last_grad_norm + 1e-6))
         if coef < 1.0:
-            _wait_all([rpc.rpc_async(o, _stage._scale_grads, args=(ctx_id, coef)) for o in self._param_owners])
+            _wait_all([rpc.rpc_async(o, _stage._scale_grads, args=(self.pid, ctx_id, coef)) for o in self._param_owners])
 
     def _schedule_lr(self) -> None:
         """Step the LR scheduler and send a changed learning rate to every stage's optimizer.
@@ -263,6 +263,13 @@ class Pipeline:
     @property
     def _remote_optimizers(self) -> list:
         return self.optimizer.remote_optimizers if self.optimizer is not None else []
+
+    def start_trace(self) -> None:
+        self._each(_stage._set_trace, True)
+
+    def stop_trace(self) -> dict[int, list]:
+        """Stop tracing; return each stage's (kind, seq, start, end) slices."""
+        return dict(enumerate(self._each(_stage._set_trace, False)))
 
     def stats(self) -> list[dict[str, float]]:
         return self._each(_stage._stats)

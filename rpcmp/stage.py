@@ -75,6 +75,7 @@ class _StageHost:
     runs: int = 0
     turn: threading.Condition = field(default_factory=threading.Condition)
     compute: ThreadPoolExecutor = field(default=None)
+    events: list | None = None  # (kind, seq, start, end) wall-clock slices while tracing, else None
 
     def __post_init__(self):
         threads = torch.get_num_threads()
@@ -91,15 +92,17 @@ class _StageHost:
                 )
         try:
             # See [Note: one compute thread per stage].
-            return self.compute.submit(self._compute, x, grad).result()
+            return self.compute.submit(self._compute, x, grad, seq).result()
         finally:
             with self.turn:
                 self.next_seq = max(self.next_seq, seq + 1)
                 self.turn.notify_all()
 
-    def _compute(self, x: Any, grad: bool) -> Any:
-        start = time.perf_counter()
+    def _compute(self, x: Any, grad: bool, seq: int) -> Any:
+        start, wall = time.perf_counter(), time.time()
         x = to_device(x, self.device, non_blocking=True)
+        if self.events is not None and grad:
+            x = self._trace_backward_end(x, seq)
         with torch.set_grad_enabled(grad):
             y = self.module(x)
         check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
@@ -107,7 +110,55 @@ class _StageHost:
             y = to_device(y, torch.device("cpu"))
         self.compute_s += time.perf_counter() - start
         self.runs += 1
+        if self.events is not None:
+            self.events.append(("F", seq, wall, time.time()))
+            if grad:
+                out = next((t for t in _leaves(y) if t.requires_grad), None)
+                if out is not None:
+                    out.register_hook(lambda g: self._backward_started(seq))
         return y
+
+    # -- tracing (``--trace FILE``): a slice per micro-batch forward and backward ------------
+    def _backward_started(self, seq: int) -> None:
+        self._bwd_start[seq] = time.time()
+
+    def _trace_backward_end(self, x: Any, seq: int) -> Any:
+        """Hook the input's gradient: it is computed last in this stage's backward. A first
+        stage's input needs no gradient, so while tracing it gets one (a little extra work)."""
+        self._bwd_start = getattr(self, "_bwd_start", {})
+
+        def done(grad):
+            self.events.append(("B", seq, self._bwd_start.pop(seq, time.time()), time.time()))
+        leaves = [t for t in _leaves(x) if t.is_floating_point()]
+        hooked = next((t for t in leaves if t.requires_grad), None)
+        if hooked is None and leaves:
+            first = leaves[0]
+            hooked = first.detach().requires_grad_()
+            x = _replace_first(x, first, hooked)
+        if hooked is not None:
+            hooked.register_hook(done)
+        return x
+
+
+def _leaves(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+
+
+def _replace_first(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    if value is old:
+        return new
+    if isinstance(value, (list, tuple)):
+        return type(value)(_replace_first(v, old, new) for v in value)
+    if isinstance(value, dict):
+        return {k: _replace_first(v, old, new) for k, v in value.items()}
+    return value
 
 
 def _whoami() -> str:
@@ -161,15 +212,21 @@ def _take(pid: int, seq: int) -> Any:
     return _INBOX.pop((pid, seq))
 
 
-def _merge_grads(ctx_ids: list[int]) -> None:
+def _param_grads(pid: int, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """The context's gradients of this pipeline's parameters here (not of inputs that needed one)."""
+    params = _named_params(pid)
+    return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
+
+
+def _merge_grads(pid: int, ctx_ids: list[int]) -> None:
     """Add every context's gradients into the first one's, for one optimizer step.
 
     ``get_gradients`` hands out the context's own accumulated tensors, so ``add_``
     updates what the DistributedOptimizer will read from ``ctx_ids[0]``.
     """
-    base = dist_autograd.get_gradients(ctx_ids[0])
+    base = _param_grads(pid, ctx_ids[0])
     for ctx in ctx_ids[1:]:
-        for param, grad in dist_autograd.get_gradients(ctx).items():
+        for param, grad in _param_grads(pid, ctx).items():
             if param not in base:
                 raise StageError(
                     f"a parameter of shape {tuple(param.shape)} on {_whoami()} got a gradient from a later "
@@ -179,13 +236,13 @@ def _merge_grads(ctx_ids: list[int]) -> None:
             base[param].add_(grad)
 
 
-def _grad_sq_norm(ctx_id: int) -> float:
-    """Sum of squares of every gradient this process holds in the context (for global clipping)."""
-    return float(sum(g.double().pow(2).sum() for g in dist_autograd.get_gradients(ctx_id).values()))
+def _grad_sq_norm(pid: int, ctx_id: int) -> float:
+    """Sum of squares of this process's parameter gradients in the context (for global clipping)."""
+    return float(sum(g.double().pow(2).sum() for g in _param_grads(pid, ctx_id).values()))
 
 
-def _scale_grads(ctx_id: int, scale: float) -> None:
-    for g in dist_autograd.get_gradients(ctx_id).values():
+def _scale_grads(pid: int, ctx_id: int, scale: float) -> None:
+    for g in _param_grads(pid, ctx_id).values():
         g.mul_(scale)
 
 
@@ -247,6 +304,13 @@ def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torc
             optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[name].items()}
             loaded += 1
     return loaded
+
+
+def _set_trace(pid: int, index: int, on: bool) -> list:
+    """Start (on) or stop tracing this stage; stopping returns the recorded slices."""
+    host = _HOSTS[(pid, index)]
+    events, host.events = host.events or [], [] if on else None
+    return events
 
 
 def _stats(pid: int, index: int) -> dict[str, float]:

@@ -17,6 +17,7 @@ from . import health
 from .errors import JobError
 from .microbatch import batch_size, gather
 from .pipeline import Pipeline
+from .trace import write_chrome_trace
 
 __all__ = ["fit", "evaluate", "sample_batch", "epoch_batches", "make_engine", "PipelineEngine"]
 
@@ -38,6 +39,7 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
     losses, samples, saved, start = [], 0, None, time.perf_counter()
     log = MetricsLog(job.metrics_file if engine.is_main else None)
+    tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
     columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} samples/s"),
                TimeRemainingColumn())
@@ -50,10 +52,12 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
             for k, group in enumerate(groups, start=first_batch):
                 health.status["step"] = step + 1
                 step_start = time.perf_counter()
+                tracer.before(step + 1)
                 try:
                     loss, n = engine.train_step(group)
                 except Exception as exc:
                     raise engine.explain(exc) from exc
+                tracer.after(step + 1)
                 losses.append(loss)
                 step += 1
                 samples += n
@@ -74,6 +78,7 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
     if job.checkpoint_dir and saved != step:
         _save(job, engine, step, epoch, first_batch)
     elapsed = time.perf_counter() - start
+    tracer.finish(console)
     after = engine.evaluate(heldout) if before is not None else None
     log.write(kind="end", step=step, metric_before=before, metric_after=after, seconds=elapsed,
               samples_per_s=samples / elapsed if elapsed else 0.0)
@@ -86,6 +91,37 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         console.print(f"held-out {job.metric_name}: [bold]{before:.4f} -> {after:.4f}[/]")
     return {"losses": losses, "metric_before": before, "metric_after": after,
             "samples_per_s": samples / elapsed if elapsed else 0.0, "steps": step}
+
+
+class Tracer:
+    """Traces steps ``first..last`` of a pipeline run into ``Job.trace_file`` (see :mod:`rpcmp.trace`)."""
+
+    def __init__(self, engine, job, first: int, last: int):
+        self.on = bool(job.trace_file) and engine.mode == "pipeline"
+        self.engine, self.job, self.first, self.last, self.steps = engine, job, first, last, []
+
+    def before(self, step: int) -> None:
+        if self.on and step == self.first:
+            self.engine.pipe.start_trace()
+        if self.on and self.first <= step <= self.last:
+            self._seq0 = self.engine.pipe._seq
+
+    def after(self, step: int) -> None:
+        if self.on and self.first <= step <= self.last:
+            self.steps.append({"step": step, "seqs": list(range(self._seq0, self.engine.pipe._seq))})
+            if step == self.last:
+                events = self.engine.pipe.stop_trace()
+                for st in self.steps:
+                    st["events"] = events
+
+    def finish(self, console: Console) -> None:
+        if not (self.on and self.steps and "events" in self.steps[-1]):
+            return
+        pipe = self.engine.pipe
+        summary = write_chrome_trace(self.job.trace_file, self.steps, [s.name for s in pipe.specs],
+                                     len(self.steps[0]["seqs"]))
+        console.print(f"trace of steps {summary['steps']} written to {self.job.trace_file}: bubble "
+                      f"{summary['bubble']:.3f} measured, {summary['ideal_bubble']:.3f} ideal (S-1)/(M+S-1)")
 
 
 class MetricsLog:

@@ -1,0 +1,52 @@
+"""--trace writes a valid Chrome trace: a slice per stage per micro-batch, forward and
+backward, and a bubble figure that agrees with those slices."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import job_path
+
+pytestmark = pytest.mark.integration
+
+
+def _busy(intervals):
+    """Union length of (start, end) intervals, computed independently of rpcmp.trace."""
+    points = sorted(intervals)
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in points:
+        if cur_b is None or a > cur_b:
+            total += 0 if cur_b is None else cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    return total + (cur_b - cur_a if cur_b is not None else 0)
+
+
+@pytest.mark.timeout(180)
+def test_trace_has_every_slice_and_a_consistent_bubble(tmp_path):
+    path = tmp_path / "trace.json"
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rpcmp"), "run", job_path("mlp"), "--local", "3",
+                           "--max-steps", "6", "--microbatches", "4", "--trace", str(path)],
+                          capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(path.read_text())
+    summary = data["otherData"]
+    assert summary["steps"] == [2, 3, 4] and summary["stages"] == 2 and summary["microbatches"] == 4
+    assert summary["ideal_bubble"] == pytest.approx(1 / 5)
+    slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    for step, reported in zip(summary["steps"], summary["bubble_per_step"]):
+        mine = [e for e in slices if e["args"]["step"] == step]
+        for stage in (0, 1):
+            names = sorted(e["name"] for e in mine if e["tid"] == stage)
+            assert names == sorted([f"F{m}" for m in range(4)] + [f"B{m}" for m in range(4)])
+        start = min(e["ts"] for e in mine)
+        span = max(e["ts"] + e["dur"] for e in mine) - start
+        busy = sum(_busy([(e["ts"], e["ts"] + e["dur"]) for e in mine if e["tid"] == s]) for s in (0, 1))
+        assert reported == pytest.approx(1 - busy / (2 * span), abs=1e-6)
+        assert 0 <= reported < 1
+    m = re.search(r"bubble ([\d.]+) measured, ([\d.]+) ideal", proc.stdout)
+    assert m and float(m.group(1)) == pytest.approx(summary["bubble"], abs=1e-3)
