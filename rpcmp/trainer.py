@@ -70,8 +70,12 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
                     saved = _save(job, engine, step, *position)
                 if step >= total:
                     break
+            finished = position[0] > epoch and step < total  # a whole epoch ended and training goes on
+            heldout_metric = engine.evaluate(heldout) if finished and before is not None else None
+            if heldout_metric is not None:
+                progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {heldout_metric:.4f}")
             log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),
-                      **engine.epoch_metrics())
+                      heldout_metric=heldout_metric, **engine.epoch_metrics())
             epoch, first_batch = position
             if job.checkpoint_dir and not job.checkpoint_every and saved != step:
                 saved = _save(job, engine, step, epoch, first_batch)
