@@ -37,9 +37,10 @@ def test_daemons_serve_jobs_survive_a_dead_master_and_refuse_strangers(tmp_path)
         for _ in range(2):  # two jobs, one after the other
             out, _ = _master(port, token, "--max-steps", "20").communicate(timeout=120)
             assert "steps 20" in out, out
+        served = open(tmp_path / "worker1.log").read().count("serving rank 1")
         doomed = _master(port, token, "--epochs", "200")
         deadline = time.monotonic() + 60
-        while "serving rank 1" not in open(tmp_path / "worker1.log").read().split("ended")[-1]:
+        while open(tmp_path / "worker1.log").read().count("serving rank 1") == served:  # the doomed job started
             assert time.monotonic() < deadline
             time.sleep(0.2)
         time.sleep(3)
