@@ -19,12 +19,12 @@ import torch
 
 from .errors import MicroBatchError, StageOutputError
 
-__all__ = ["scatter", "gather", "batch_size", "check_tensors", "to_device", "has_tensors"]
+__all__ = ["scatter", "gather", "batch_size", "check_tensors", "to_device", "has_tensors", "tensors", "map_tensors"]
 
 
 def batch_size(batch: Any) -> int:
     """The size of dim 0 shared by every tensor of ``batch``."""
-    sizes = {t.shape[0] for t in _tensors(batch)}
+    sizes = {t.shape[0] for t in tensors(batch)}
     if not sizes:
         raise MicroBatchError(f"expected a batch holding at least one tensor, got {type(batch).__name__}")
     if len(sizes) > 1:
@@ -33,7 +33,7 @@ def batch_size(batch: Any) -> int:
 
 
 def has_tensors(batch: Any) -> bool:
-    return next(_tensors(batch), None) is not None
+    return next(tensors(batch), None) is not None
 
 
 def scatter(batch: Any, chunks: int) -> list[Any]:
@@ -46,7 +46,7 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
             f"a batch of {n} samples cannot be split into {chunks} micro-batches: "
             f"set microbatches <= {n} or use a batch of at least {chunks} samples"
         )
-    return [_map(batch, lambda t, i=i: t.tensor_split(chunks)[i]) for i in range(chunks)]
+    return [map_tensors(batch, lambda t, i=i: t.tensor_split(chunks)[i]) for i in range(chunks)]
 
 
 def gather(parts: list[Any]) -> Any:
@@ -80,28 +80,30 @@ def check_tensors(value: Any, where: str) -> None:
     )
 
 
-def _tensors(batch: Any):
+def tensors(batch: Any):
+    """Every tensor of a nested batch, depth first."""
     if isinstance(batch, torch.Tensor):
         yield batch
     elif isinstance(batch, (list, tuple)):
         for v in batch:
-            yield from _tensors(v)
+            yield from tensors(v)
     elif isinstance(batch, dict):
         for v in batch.values():
-            yield from _tensors(v)
+            yield from tensors(v)
 
 
-def _map(batch: Any, fn):
+def map_tensors(batch: Any, fn):
+    """``batch`` with ``fn`` applied to every tensor, structure kept."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, (list, tuple)):
-        mapped = [_map(v, fn) for v in batch]
+        mapped = [map_tensors(v, fn) for v in batch]
         return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
     if isinstance(batch, dict):
-        return {k: _map(v, fn) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor of ``batch`` to ``device`` (differentiable)."""
-    return _map(batch, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))
+    return map_tensors(batch, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))

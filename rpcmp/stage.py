@@ -42,7 +42,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .errors import StageError
-from .microbatch import check_tensors, to_device
+from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
 from .placement import MASTER, Place, check_device
 
@@ -76,6 +76,7 @@ class _StageHost:
     turn: threading.Condition = field(default_factory=threading.Condition)
     compute: ThreadPoolExecutor = field(default=None)
     events: list | None = None  # (kind, seq, start, end) wall-clock slices while tracing, else None
+    _bwd_start: dict = field(default_factory=dict)  # seq -> when its backward reached this stage
 
     def __post_init__(self):
         threads = torch.get_num_threads()
@@ -113,7 +114,7 @@ class _StageHost:
         if self.events is not None:
             self.events.append(("F", seq, wall, time.time()))
             if grad:
-                out = next((t for t in _leaves(y) if t.requires_grad), None)
+                out = next((t for t in tensors(y) if t.requires_grad), None)
                 if out is not None:
                     out.register_hook(lambda g: self._backward_started(seq))
         return y
@@ -125,40 +126,18 @@ class _StageHost:
     def _trace_backward_end(self, x: Any, seq: int) -> Any:
         """Hook the input's gradient: it is computed last in this stage's backward. A first
         stage's input needs no gradient, so while tracing it gets one (a little extra work)."""
-        self._bwd_start = getattr(self, "_bwd_start", {})
-
         def done(grad):
             self.events.append(("B", seq, self._bwd_start.pop(seq, time.time()), time.time()))
-        leaves = [t for t in _leaves(x) if t.is_floating_point()]
-        hooked = next((t for t in leaves if t.requires_grad), None)
-        if hooked is None and leaves:
-            first = leaves[0]
+        floats = [t for t in tensors(x) if t.is_floating_point()]
+        hooked = next((t for t in floats if t.requires_grad), None)
+        if hooked is None and floats:
+            first = floats[0]
             hooked = first.detach().requires_grad_()
-            x = _replace_first(x, first, hooked)
+            x = map_tensors(x, lambda t: hooked if t is first else t)
         if hooked is not None:
             hooked.register_hook(done)
         return x
 
-
-def _leaves(value: Any):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _leaves(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _leaves(v)
-
-
-def _replace_first(value: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
-    if value is old:
-        return new
-    if isinstance(value, (list, tuple)):
-        return type(value)(_replace_first(v, old, new) for v in value)
-    if isinstance(value, dict):
-        return {k: _replace_first(v, old, new) for k, v in value.items()}
-    return value
 
 
 def _whoami() -> str:
@@ -212,9 +191,8 @@ def _take(pid: int, seq: int) -> Any:
     return _INBOX.pop((pid, seq))
 
 
-def _param_grads(pid: int, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """The context's gradients of this pipeline's parameters here (not of inputs that needed one)."""
-    params = _named_params(pid)
+def _param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """The context's gradients of ``params`` (not of inputs that needed one while tracing)."""
     return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
 
 
@@ -224,9 +202,10 @@ def _merge_grads(pid: int, ctx_ids: list[int]) -> None:
     ``get_gradients`` hands out the context's own accumulated tensors, so ``add_``
     updates what the DistributedOptimizer will read from ``ctx_ids[0]``.
     """
-    base = _param_grads(pid, ctx_ids[0])
+    params = _named_params(pid)
+    base = _param_grads(params, ctx_ids[0])
     for ctx in ctx_ids[1:]:
-        for param, grad in _param_grads(pid, ctx).items():
+        for param, grad in _param_grads(params, ctx).items():
             if param not in base:
                 raise StageError(
                     f"a parameter of shape {tuple(param.shape)} on {_whoami()} got a gradient from a later "
@@ -238,11 +217,11 @@ def _merge_grads(pid: int, ctx_ids: list[int]) -> None:
 
 def _grad_sq_norm(pid: int, ctx_id: int) -> float:
     """Sum of squares of this process's parameter gradients in the context (for global clipping)."""
-    return float(sum(g.double().pow(2).sum() for g in _param_grads(pid, ctx_id).values()))
+    return float(sum(g.double().pow(2).sum() for g in _param_grads(_named_params(pid), ctx_id).values()))
 
 
 def _scale_grads(pid: int, ctx_id: int, scale: float) -> None:
-    for g in _param_grads(pid, ctx_id).values():
+    for g in _param_grads(_named_params(pid), ctx_id).values():
         g.mul_(scale)
 
 
