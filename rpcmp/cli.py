@@ -30,8 +30,10 @@ def job_options(fn):
         click.option("--transport", type=click.Choice(["uv", "shm"]), help="TensorPipe transport (default uv)."),
         click.option("--mode", type=click.Choice(["pipeline", "ddp"]), help="Stages over processes, or DDP."),
         click.option("--accumulate", type=int, help="Batches per optimizer step (gradient accumulation)."),
-        click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="DDP mode: autocast dtype."),
+        click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="Autocast dtype (fp16 adds loss scaling)."),
         click.option("--sync-batchnorm", is_flag=True, default=None, help="DDP mode: SyncBatchNorm."),
+        click.option("--batchnorm", type=click.Choice(["batch", "micro"]),
+                     help="BatchNorm statistics of the whole batch (exact) or of each micro-batch (pipelined)."),
         click.option("--schedule", type=click.Choice(["overlap", "gpipe"]), help="Micro-batch schedule."),
         click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
                      help="Pipeline mode: write a Chrome-trace timeline of steps 2-4 here."),
@@ -50,7 +52,7 @@ def job_options(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
-                "mode", "accumulate", "precision", "sync_batchnorm",
+                "mode", "accumulate", "precision", "sync_batchnorm", "batchnorm",
                 "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout", "metrics_file", "trace_file")
         for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
             value = kw.pop(opt, None)

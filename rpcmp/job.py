@@ -51,7 +51,8 @@ class Job:
     microbatches: int = 1
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
-    precision: str = "fp32"  # DDP mode: "fp32", "bf16" (autocast), "fp16" (GPU, with loss scaling)
+    precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
+    batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/batchnorm.py)
     sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
     schedule: str = "overlap"  # "overlap": each micro-batch's backward starts when its forward ends; "gpipe"
     epochs: int = 1
@@ -94,9 +95,9 @@ class Job:
             raise JobError(f"Job.mode must be 'pipeline' or 'ddp', got {self.mode!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise JobError(f"Job.precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
-        if self.precision != "fp32" and self.mode == "pipeline":
-            raise JobError(f"precision={self.precision!r} is available in DDP mode only for now; "
-                           f"use precision='fp32' in pipeline mode or --mode ddp")
+        if self.batchnorm not in ("batch", "micro"):
+            raise JobError(f"Job.batchnorm must be 'batch' (whole-batch statistics, exact) or 'micro' "
+                           f"(per micro-batch, pipelined), got {self.batchnorm!r}")
         if self.nonfinite not in ("stop", "skip"):
             raise JobError(f"Job.nonfinite must be 'stop' or 'skip', got {self.nonfinite!r}")
         if self.transport not in _TRANSPORTS:

@@ -47,13 +47,14 @@ from torch.distributed.optim import DistributedOptimizer
 from . import health
 from . import stage as _stage
 from .errors import NonFiniteLossError, StageError
-from .microbatch import batch_size, gather, has_tensors, scatter
+from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
 from .partition import StageSpec, plan_stages
 from .placement import Place, resolve_placement
 
 __all__ = ["Pipeline"]
 
 _PIPELINE_IDS = itertools.count()
+_SCALE_GROWTH = 2000  # good fp16 steps before the loss scale doubles
 
 
 class Pipeline:
@@ -67,12 +68,15 @@ class Pipeline:
         self.places: list[Place] = resolve_placement(job.placement, len(self.specs), world_size)
         self.pid = next(_PIPELINE_IDS)
         self._seq = 0
-        futs = []
+        futs, options = [], {k: getattr(job, k) for k in ("batchnorm", "precision", "device_maps")}
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, _stage._build,
-                                      args=(self.pid, spec, place, nxt, job.rpc_timeout)))
-        self.param_rrefs = [r for refs in _wait_all(futs) for r in refs]
+                                      args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
+        built = _wait_all(futs)
+        self.param_rrefs = [r for refs, _ in built for r in refs]
+        # See [Note: BatchNorm and micro-batches] in rpcmp/batchnorm.py.
+        self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn in built)
         health.status["stages"] = {}
         for spec, place in zip(self.specs, self.places):
             health.status["stages"].setdefault(place.process, []).append(f"stage {spec.index} {spec.name}")
@@ -81,6 +85,10 @@ class Pipeline:
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.schedule = schedule or job.schedule
         self.skipped_steps = 0
+        # fp16: the loss is scaled before backward; a step whose gradients overflow on any stage is
+        # skipped and the scale halved; it doubles after GROWTH good steps (as torch.amp.GradScaler).
+        self.loss_scale = 2.0 ** 16 if job.precision == "fp16" else None
+        self.overflow_steps, self._good_steps = 0, 0
         self.last_grad_norm = None
         self._lr = kwargs.get("lr")
         self._lr_probe, self.scheduler = _scheduler(job, kwargs)
@@ -95,7 +103,7 @@ class Pipeline:
         parts = scatter(x, chunks or self.microbatches)
         first = self.places[0].process
         seqs = self._next_seqs(len(parts))
-        futs = [rpc.rpc_async(first, _stage._forward, args=(self.pid, 0, s, p, grad))
+        futs = [rpc.rpc_async(first, _stage._forward, args=(self.pid, 0, s, p, grad, grad and s == seqs[-1]))
                 for s, p in zip(seqs, parts)]
         try:
             _wait_all(futs)
@@ -104,10 +112,20 @@ class Pipeline:
                 _stage._INBOX.pop((self.pid, s), None)
             self._resync()
             raise
-        return gather([_stage._take(self.pid, s) for s in seqs])
+        return gather([self._take(s) for s in seqs])
+
+    def _take(self, seq: int) -> Any:
+        out = _stage._take(self.pid, seq)
+        if self.job.precision == "fp32":
+            return out
+        return map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)  # the loss is computed in fp32
 
     def train_step(self, x: Any, y: Any, chunks: int | None = None) -> torch.Tensor:
-        """One optimizer step on batch ``(x, y)`` in ``chunks`` (default M) micro-batches; returns the loss."""
+        """One optimizer step on batch ``(x, y)`` in ``chunks`` micro-batches; returns the loss.
+
+        ``chunks`` defaults to M, or to 1 for a model with BatchNorm under ``Job(batchnorm="batch")``.
+        """
+        chunks = chunks or self.batch_chunks
         if self.schedule == "gpipe":
             return self._step_gpipe(x, y, chunks)
         return self._step_overlap(x, y, chunks)
@@ -117,9 +135,8 @@ class Pipeline:
         with dist_autograd.context() as ctx:
             out = self.forward(x, grad=True, chunks=chunks)
             loss = self.job.loss(out, y)
-            dist_autograd.backward(ctx, [loss])
-            if self.optimizer is not None and self._finite(loss):
-                self._clip(ctx)
+            dist_autograd.backward(ctx, [self._scaled(loss)])
+            if self.optimizer is not None and self._finite(loss) and self._unscale_and_clip(ctx):
                 self.optimizer.step(ctx)
                 self._schedule_lr()
         return loss.detach()
@@ -138,10 +155,10 @@ class Pipeline:
                 with dist_autograd.context() as ctx:
                     ctx_ids[i] = ctx
                     rpc.rpc_async(self.places[0].process, _stage._forward,
-                                  args=(self.pid, 0, seqs[i], xs[i], True)).wait()
-                    out = _stage._take(self.pid, seqs[i])
+                                  args=(self.pid, 0, seqs[i], xs[i], True, i == m - 1)).wait()
+                    out = self._take(seqs[i])
                     loss = self.job.loss(out, ys[i]) * (batch_size(xs[i]) / n)
-                    dist_autograd.backward(ctx, [loss])
+                    dist_autograd.backward(ctx, [self._scaled(loss)])
                     losses[i] = loss.detach()
                     backward_done.wait()
                     stepped.wait()  # the contexts must live until the optimizer has read them
@@ -159,9 +176,9 @@ class Pipeline:
             backward_done.wait()
             if self.optimizer is not None and self._finite(torch.stack(losses).sum()):
                 _wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(self.pid, ctx_ids)) for o in self._param_owners])
-                self._clip(ctx_ids[0])
-                self.optimizer.step(ctx_ids[0])
-                self._schedule_lr()
+                if self._unscale_and_clip(ctx_ids[0]):
+                    self.optimizer.step(ctx_ids[0])
+                    self._schedule_lr()
         except threading.BrokenBarrierError:
             pass
         finally:
@@ -175,15 +192,36 @@ class Pipeline:
             raise _unwrap(errors[0])
         return torch.stack(losses).sum()
 
-    def _clip(self, ctx_id: int) -> None:
-        """Clip by the global norm over every stage, as clip_grad_norm_ does on the unsplit model."""
-        if not self.job.clip_grad_norm:
-            return
+    @property
+    def batch_chunks(self) -> int:
+        """Micro-batches per training batch: M, or 1 for whole-batch BatchNorm."""
+        return 1 if self.whole_batch_bn else self.microbatches
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.loss_scale is None else loss * self.loss_scale
+
+    def _unscale_and_clip(self, ctx_id: int) -> bool:
+        """fp16: undo the loss scale, or skip the step (False) if any stage's gradients overflowed.
+        Clipping: by the global norm over every stage, as clip_grad_norm_ on the unsplit model."""
+        if not self.job.clip_grad_norm and self.loss_scale is None:
+            return True
         sq = _wait_all([rpc.rpc_async(o, _stage._grad_sq_norm, args=(self.pid, ctx_id)) for o in self._param_owners])
-        self.last_grad_norm = math.sqrt(sum(sq))
-        coef = min(1.0, self.job.clip_grad_norm / (self.last_grad_norm + 1e-6))
-        if coef < 1.0:
+        norm, coef = math.sqrt(sum(sq)), 1.0
+        if self.loss_scale is not None:
+            if not math.isfinite(norm):
+                self.overflow_steps += 1
+                self.loss_scale, self._good_steps = max(self.loss_scale / 2, 1.0), 0
+                return False
+            norm, coef = norm / self.loss_scale, 1.0 / self.loss_scale
+            self._good_steps += 1
+            if self._good_steps % _SCALE_GROWTH == 0:
+                self.loss_scale *= 2
+        self.last_grad_norm = norm
+        if self.job.clip_grad_norm:
+            coef *= min(1.0, self.job.clip_grad_norm / (norm + 1e-6))
+        if coef != 1.0:
             _wait_all([rpc.rpc_async(o, _stage._scale_grads, args=(self.pid, ctx_id, coef)) for o in self._param_owners])
+        return True
 
     def _schedule_lr(self) -> None:
         """Step the LR scheduler and send a changed learning rate to every stage's optimizer.

@@ -178,7 +178,7 @@ class PipelineEngine:
         # Accumulating k batches is one step over their concatenation in k x M micro-batches:
         # the same gradient, as each micro-batch's loss is weighted by its share of all samples.
         x, y = group[0] if len(group) == 1 else gather(group)
-        loss = self.pipe.train_step(x, y, chunks=self.pipe.microbatches * len(group))
+        loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
         return loss.item(), batch_size(x)
 
     def evaluate(self, dataset) -> float:
@@ -221,8 +221,13 @@ class PipelineEngine:
 
     def describe(self) -> str:
         pipe = self.pipe
-        return ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
-                + f"   micro-batches: {pipe.microbatches}, schedule {pipe.schedule}")
+        text = ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
+                + f"   micro-batches: {pipe.batch_chunks}, schedule {pipe.schedule}, precision {self.job.precision}")
+        if pipe.whole_batch_bn and pipe.microbatches > 1:
+            text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
+                     f"batch's (Job.batchnorm='batch'); batchnorm='micro' pipelines {pipe.microbatches} micro-batches "
+                     f"with per-micro-batch statistics")
+        return text
 
     def explain(self, exc: BaseException) -> BaseException:
         return health.explain(exc, {p.process for p in self.pipe.places})
