@@ -17,7 +17,8 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 demo: install
-	cd examples/unet_split && ../../$(VENV)/bin/rpcmp run job.py --local 3
+	$(VENV)/bin/rpcmp run examples/unet_split/job.py --local 3 --checkpoint-dir runs/unet
+	$(VENV)/bin/rpcmp predict examples/unet_split/job.py -c runs/unet --out runs/unet/predictions
 
 test: install
 	$(PY) -m pytest

@@ -1,6 +1,7 @@
-"""The ``rpcmp`` command line: ``run``, ``plan``.
+"""The ``rpcmp`` command line: ``run``, ``predict``, ``plan``, ``worker``, ``doctor``.
 
     rpcmp run examples/unet_split/job.py --local 3      # one machine, 3 processes
+    rpcmp predict examples/unet_split/job.py -c runs/unet
     rpcmp plan examples/unet_split/job.py --world-size 3
 """
 from __future__ import annotations
@@ -104,6 +105,37 @@ def run(job_file, nprocs, workers, listen, token_file, overrides):
     if nprocs < 2:
         raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
     launch_local(job_file, nprocs, fit, overrides=overrides)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--checkpoint", "-c", required=True, type=click.Path(),
+              help="A checkpoint file, or a checkpoint directory (its latest checkpoint).")
+@click.option("--out", default="predictions", show_default=True, type=click.Path(file_okay=False),
+              help="Where predictions.pt and the PNG panels go.")
+@click.option("--images", default=4, show_default=True, help="PNG panels (input | truth | prediction) to write.")
+@click.option("--local", "nprocs", type=int,
+              help="Predict through the job's stages on this many processes (default: the unsplit model, here).")
+@job_options
+def predict(job_file, checkpoint, out, images, nprocs, overrides):
+    """Predict JOB_FILE's held-out set with a trained checkpoint."""
+    from .predict import predict_local, predict_split
+    if nprocs is None:
+        from .job import load_job
+        result = predict_local(load_job(job_file, overrides=overrides), checkpoint, out, images)
+    else:
+        if nprocs < 2:
+            raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
+        from .runtime import launch_local
+        result = launch_local(job_file, nprocs, functools.partial(predict_split, checkpoint=checkpoint, out_dir=out,
+                                                                  images=images), overrides=overrides)
+    console = Console()
+    console.print(f"{result['samples']} samples of the {result['dataset']} set predicted with {result['checkpoint']}")
+    if result["metric"] is not None:
+        from .job import load_job
+        console.print(f"{load_job(job_file).metric_name}: [bold]{result['metric']:.4f}[/]")
+    console.print(f"outputs: {result['predictions']}" + (f"; {len(result['images'])} PNG panels "
+                  f"(input | truth | prediction) in {out}" if result["images"] else ""))
 
 
 @main.command()

@@ -41,7 +41,6 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
-from .batchnorm import defer_batchnorm, has_batchnorm
 from .errors import StageError
 from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
@@ -72,7 +71,6 @@ class _StageHost:
     keep_on_device: bool
     timeout: float
     autocast: torch.dtype | None = None  # Job.precision bf16 / fp16: the stage runs under autocast
-    deferred: list = field(default_factory=list)  # DeferredBatchNorm layers (Job.batchnorm="micro")
     next_seq: int = 0
     compute_s: float = 0.0
     runs: int = 0
@@ -86,7 +84,7 @@ class _StageHost:
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"rpcmp-stage{self.spec.index}",
                                           initializer=torch.set_num_threads, initargs=(threads,))
 
-    def run(self, seq: int, x: Any, grad: bool, last: bool = False) -> Any:
+    def run(self, seq: int, x: Any, grad: bool) -> Any:
         with self.turn:
             if not self.turn.wait_for(lambda: self.next_seq >= seq, timeout=self.timeout):
                 raise StageError(
@@ -96,13 +94,13 @@ class _StageHost:
                 )
         try:
             # See [Note: one compute thread per stage].
-            return self.compute.submit(self._compute, x, grad, seq, last).result()
+            return self.compute.submit(self._compute, x, grad, seq).result()
         finally:
             with self.turn:
                 self.next_seq = max(self.next_seq, seq + 1)
                 self.turn.notify_all()
 
-    def _compute(self, x: Any, grad: bool, seq: int, last: bool) -> Any:
+    def _compute(self, x: Any, grad: bool, seq: int) -> Any:
         start, wall = time.perf_counter(), time.time()
         x = to_device(x, self.device, non_blocking=True)
         if self.events is not None and grad:
@@ -110,9 +108,6 @@ class _StageHost:
         with torch.set_grad_enabled(grad), torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
                                                           enabled=self.autocast is not None):
             y = self.module(x)
-        if last and grad:  # the batch's last micro-batch: see [Note: BatchNorm and micro-batches]
-            for bn in self.deferred:
-                bn.commit()
         check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
         if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
             y = to_device(y, torch.device("cpu"))
@@ -164,20 +159,18 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
             f"{traceback.format_exc()}"
         ) from None
     keep = bool(options["device_maps"])
-    bn = has_batchnorm(module)
-    deferred = defer_batchnorm(module) if options["batchnorm"] == "micro" else []
+    bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
     _HOSTS[(pid, spec.index)] = _StageHost(pid, spec, place, module, device, next_process, keep, timeout,
-                                           autocast, deferred)
+                                           autocast)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn
 
 
 @rpc.functions.async_execution
-def _forward(pid: int, index: int, seq: int, x: Any, grad: bool, last: bool = False) -> torch.futures.Future:
-    """Run micro-batch ``seq`` here and pass it on; ``last``: the last one of a training batch."""
+def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures.Future:
     host = _HOSTS[(pid, index)]
     try:
-        y = host.run(seq, x, grad, last)
+        y = host.run(seq, x, grad)
     except StageError:
         raise
     except Exception as exc:
@@ -186,7 +179,7 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool, last: bool = Fa
         raise StageError(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
                          f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
     if host.next_process is not None:
-        return rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad, last))
+        return rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
     if host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
         return _deliver(pid, seq, y, _now=True)
     return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))

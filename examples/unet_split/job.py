@@ -42,9 +42,9 @@ job = rpcmp.Job(
     optimizer=(torch.optim.Adam, {"lr": 1e-3}),
     batch_size=16,
     microbatches=4,
-    # Pipeline the 4 micro-batches: each is normalised by its own BatchNorm statistics (as GPipe
-    # does); the running statistics are still the whole batch's. The default, batchnorm="batch",
-    # keeps whole-batch statistics exactly by running each batch as one micro-batch.
+    # Pipeline the 4 micro-batches, each normalised by its own BatchNorm statistics (as GPipe
+    # does). The default, batchnorm="batch", keeps whole-batch statistics exactly by running
+    # each batch as one micro-batch (see [Note: BatchNorm and micro-batches] in rpcmp/pipeline.py).
     batchnorm="micro",
     epochs=3,
 )

@@ -1,0 +1,115 @@
+"""``rpcmp predict``: a trained checkpoint on the job's held-out data.
+
+    rpcmp predict examples/unet_split/job.py -c runs/unet            # the unsplit model, here
+    rpcmp predict examples/unet_split/job.py -c runs/unet --local 3  # split over 3 processes
+
+Writes ``predictions.pt`` (every output, in data order) and, for image data, PNG panels
+of input | truth | prediction side by side; prints the job's metric when it has one.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from .checkpoint import check_model_keys, load_checkpoint
+from .errors import JobError
+from .microbatch import batch_size, gather
+
+__all__ = ["predict_local", "predict_split", "write_predictions", "panel"]
+
+
+def predict_local(job, checkpoint: str, out_dir: str, images: int) -> dict[str, Any]:
+    """Load the consolidated checkpoint into the unsplit model and predict in this process."""
+    from .partition import _build_model
+    ckpt = load_checkpoint(checkpoint)
+    model = _build_model(job)
+    check_model_keys(ckpt, model.state_dict(), f"the model of {job.source}")
+    model.load_state_dict(ckpt["model"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        return {"checkpoint": ckpt["path"], **write_predictions(job, model, out_dir, images)}
+
+
+def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: int) -> dict[str, Any]:
+    """The same through the job's stages on ``world_size`` processes (run as the master)."""
+    from .pipeline import Pipeline
+    ckpt = load_checkpoint(checkpoint)
+    pipe = Pipeline(job, world_size)
+    try:
+        check_model_keys(ckpt, pipe.state_dict(), f"the model of {job.source}")
+        pipe.load_state_dict(ckpt["model"])
+        pipe.eval()
+        return {"checkpoint": ckpt["path"], **write_predictions(job, pipe.predict, out_dir, images)}
+    finally:
+        pipe.close()
+
+
+def write_predictions(job, forward: Callable[[Any], Any], out_dir: str, images: int) -> dict[str, Any]:
+    if job.data is None:
+        raise JobError("rpcmp predict needs Job(data=...) returning (train, heldout): it predicts the held-out set")
+    train, heldout = job.data()
+    dataset, which = (heldout, "held-out") if heldout is not None else (train, "training (the job has no held-out set)")
+    os.makedirs(out_dir, exist_ok=True)
+    outputs, total, count, pngs = [], 0.0, 0, []
+    for x, y in DataLoader(dataset, batch_size=job.batch_size):
+        out = forward(x)
+        outputs.append(out)
+        n = batch_size(x)
+        if job.metric is not None:
+            total += float(job.metric(out, y)) * n
+        for i in range(min(n, images - len(pngs))):
+            image = panel(x[i], y[i], out[i]) if _is_image(x) and _is_image(out) else None
+            if image is not None:
+                path = os.path.join(out_dir, f"sample-{count + i:04d}.png")
+                _save_png(image, path)
+                pngs.append(path)
+        count += n
+    path = os.path.join(out_dir, "predictions.pt")
+    torch.save(gather(outputs), path)
+    return {"samples": count, "dataset": which, "predictions": path, "images": pngs,
+            "metric": total / count if job.metric is not None and count else None}
+
+
+def panel(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> np.ndarray:
+    """Input | truth | prediction as one RGB uint8 image (C, H, W tensors; out holds logits:
+    one channel -> sigmoid > 0.5, several -> argmax). Small images are scaled up to >= 128 px."""
+    parts = [_gray_or_rgb(_unit(x)), _gray_or_rgb(_labels(y)), _gray_or_rgb(_labels(out, logits=True))]
+    h = max(p.shape[0] for p in parts)
+    sep = np.full((h, 2, 3), 255, np.uint8)
+    row = np.concatenate([parts[0], sep, parts[1], sep, parts[2]], axis=1)
+    scale = max(1, 128 // h)
+    return row.repeat(scale, 0).repeat(scale, 1)
+
+
+def _is_image(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 4
+
+
+def _unit(t: torch.Tensor) -> torch.Tensor:
+    t = t.float()
+    lo, hi = t.min(), t.max()
+    return (t - lo) / (hi - lo) if hi > lo else torch.zeros_like(t)
+
+
+def _labels(t: torch.Tensor, logits: bool = False) -> torch.Tensor:
+    t = t.float()
+    if t.dim() == 2:  # (H, W) class indices
+        t = t[None]
+    if t.shape[0] == 1:
+        return (torch.sigmoid(t) > 0.5).float() if logits else t.clamp(0, 1)
+    classes = t.argmax(0, keepdim=True).float()
+    return classes / max(t.shape[0] - 1, 1)
+
+
+def _gray_or_rgb(t: torch.Tensor) -> np.ndarray:
+    t = t[:3] if t.shape[0] >= 3 else t[:1].expand(3, *t.shape[1:])
+    return (t.clamp(0, 1) * 255).round().byte().permute(1, 2, 0).cpu().numpy()
+
+
+def _save_png(image: np.ndarray, path: str) -> None:
+    from PIL import Image
+    Image.fromarray(image).save(path)
