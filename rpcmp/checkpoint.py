@@ -2,8 +2,10 @@
 
 A checkpoint holds the **consolidated** state of the unsplit model (it loads into the
 plain model with ``load_state_dict(strict=True)``), the optimizer state keyed by
-parameter *name* (so it can be restored under another split or placement), and the
-training position (step, epoch, batch within the epoch, seed).
+parameter *name* (so it can be restored under another split or placement), the
+training position (step, epoch, batch within the epoch, seed), every process's RNG state
+(restored when each process holds the same stages again, so dropout resumes exactly)
+and the fp16 loss scale.
 
 Writes are atomic: the file is written beside its final name, flushed to disk and then
 renamed, so a crash or a full disk during a save never damages an earlier checkpoint.

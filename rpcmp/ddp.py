@@ -164,6 +164,12 @@ class DDPEngine:
                 self.optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
                                            for k, v in state[name].items()}
 
+    def rng_state(self) -> None:
+        return None  # only rank 0 writes checkpoints; the other ranks' generators are not gathered
+
+    def load_rng_state(self, state) -> bool:
+        return False
+
     def step_metrics(self) -> dict:
         return {"lr": self.optimizer.param_groups[0]["lr"]}
 

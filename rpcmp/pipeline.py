@@ -65,7 +65,7 @@ from . import stage as _stage
 from .errors import NonFiniteLossError, StageError
 from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
 from .partition import StageSpec, plan_stages
-from .placement import Place, resolve_placement
+from .placement import MASTER, Place, resolve_placement
 
 __all__ = ["Pipeline"]
 
@@ -312,6 +312,29 @@ class Pipeline:
     def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         _wait_all([rpc.rpc_async(r.owner(), _stage._load_optimizer_state, args=(self.pid, r, state))
                    for r in self._remote_optimizers])
+
+    def rng_state(self) -> dict[str, Any]:
+        """Every process's RNG state, by process name, and the stages each one holds."""
+        owners = self._rng_owners()
+        states = _wait_all([rpc.rpc_async(o, _stage._rng_state) for o in owners])
+        return {"processes": dict(zip(owners, states)), "stages": self._stage_map()}
+
+    def load_rng_state(self, saved: dict[str, Any] | None) -> bool:
+        """Restore every process's RNG if each process holds the same stages as when saved
+        (same split and placement); return whether it did."""
+        if not saved or saved["stages"] != self._stage_map():
+            return False
+        _wait_all([rpc.rpc_async(o, _stage._set_rng_state, args=(saved["processes"][o],)) for o in self._rng_owners()])
+        return True
+
+    def _stage_map(self) -> dict[str, list[str]]:
+        held: dict[str, list[str]] = {}
+        for spec, place in zip(self.specs, self.places):
+            held.setdefault(place.process, []).append(f"{spec.index}:{spec.name}")
+        return held
+
+    def _rng_owners(self) -> list[str]:
+        return sorted({p.process for p in self.places} | {MASTER})
 
     @property
     def _remote_optimizers(self) -> list:

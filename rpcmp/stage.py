@@ -292,6 +292,18 @@ def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torc
     return loaded
 
 
+def _rng_state() -> dict[str, Any]:
+    """This process's random number generators (dropout in its stages draws from them)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
 def _set_trace(pid: int, index: int, on: bool) -> list:
     """Start (on) or stop tracing this stage; stopping returns the recorded slices."""
     host = _HOSTS[(pid, index)]

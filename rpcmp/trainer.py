@@ -212,6 +212,20 @@ class PipelineEngine:
                             "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"]}
                            for s, p, st in zip(self.pipe.specs, self.pipe.places, stats)]}
 
+    def rng_state(self):
+        return self.pipe.rng_state()
+
+    def load_rng_state(self, state) -> bool:
+        return self.pipe.load_rng_state(state)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.pipe.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.pipe.loss_scale = value
+
     def load_scheduler_state(self, state) -> None:
         self.pipe.scheduler.load_state_dict(state)
         lr = self.pipe.scheduler.get_last_lr()[0]
@@ -269,6 +283,7 @@ def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
         "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},
         "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
+        "rng": engine.rng_state(), "loss_scale": getattr(engine, "loss_scale", None),
     }, step, job.keep_last)
     return step
 
@@ -289,7 +304,12 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int]:
     pipe.load_optimizer_state(ckpt["optimizer"]["state"])
     if pipe.scheduler is not None and ckpt.get("scheduler"):
         pipe.load_scheduler_state(ckpt["scheduler"])
-    console.print(f"resumed from {ckpt['path']} (step {ckpt['step']}, written in {ckpt['mode']} mode)")
+    rng = pipe.load_rng_state(ckpt.get("rng")) if ckpt["mode"] == pipe.mode else False
+    if ckpt.get("loss_scale") and getattr(pipe, "loss_scale", None):
+        pipe.loss_scale = ckpt["loss_scale"]
+    console.print(f"resumed from {ckpt['path']} (step {ckpt['step']}, written in {ckpt['mode']} mode)"
+                  + ("" if rng else "; random number generators start afresh (saved in DDP mode or with other stages "
+                                    "on each process), so dropout draws other masks than an uninterrupted run would"))
     return ckpt["step"], ckpt["epoch"], ckpt["next_batch"]
 
 

@@ -41,6 +41,18 @@ def test_train_2n_equals_n_save_restore_n_under_another_split(tmp_path, first, s
     job.model().load_state_dict(b["model"], strict=True)
 
 
+@pytest.mark.timeout(300)
+def test_resume_restores_every_process_rng_so_dropout_resumes_exactly(tmp_path):
+    common = {"max_steps": 8, "epochs": 2}
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    assert run_ranks("dropout", 3, _fit, {**common, "checkpoint_dir": straight}) == 8
+    assert run_ranks("dropout", 3, _fit, {**common, "checkpoint_dir": split, "max_steps": 4}) == 4
+    assert run_ranks("dropout", 3, _fit, {**common, "checkpoint_dir": split, "resume": True}) == 8
+    a, b = load_checkpoint(straight), load_checkpoint(split)
+    assert set(a["rng"]["processes"]) == {"master", "worker1", "worker2"}
+    torch.testing.assert_close(b["model"], a["model"])
+
+
 def _train_and_save(job, world_size):
     pipe = rpcmp.Pipeline(job, world_size)
     x, y = next(iter(torch.utils.data.DataLoader(job.data()[0], batch_size=4)))
