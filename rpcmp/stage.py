@@ -74,6 +74,10 @@ class _StageHost:
     next_seq: int = 0
     compute_s: float = 0.0
     runs: int = 0
+    bytes_in: int = 0  # activations received (their gradients go back the same size)
+    bytes_out: int = 0  # activations sent on
+    born: float = field(default_factory=time.perf_counter)
+    cpu_born: float = field(default_factory=lambda: _cpu_seconds())
     turn: threading.Condition = field(default_factory=threading.Condition)
     compute: ThreadPoolExecutor = field(default=None)
     events: list | None = None  # (kind, seq, start, end) wall-clock slices while tracing, else None
@@ -102,6 +106,7 @@ class _StageHost:
 
     def _compute(self, x: Any, grad: bool, seq: int) -> Any:
         start, wall = time.perf_counter(), time.time()
+        self.bytes_in += sum(t.nbytes for t in tensors(x))
         x = to_device(x, self.device, non_blocking=True)
         if self.events is not None and grad:
             x = self._trace_backward_end(x, seq)
@@ -113,6 +118,7 @@ class _StageHost:
             y = to_device(y, torch.device("cpu"))
         self.compute_s += time.perf_counter() - start
         self.runs += 1
+        self.bytes_out += sum(t.nbytes for t in tensors(y))
         if self.events is not None:
             self.events.append(("F", seq, wall, time.time()))
             if grad:
@@ -314,7 +320,14 @@ def _set_trace(pid: int, index: int, on: bool) -> list:
 def _stats(pid: int, index: int) -> dict[str, float]:
     host = _HOSTS[(pid, index)]
     return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid(),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "wall_s": time.perf_counter() - host.born, "process_cpu_s": _cpu_seconds() - host.cpu_born,
+            "mib_in": host.bytes_in / 2**20, "mib_out": host.bytes_out / 2**20}
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _release(pid: int) -> None:

@@ -44,10 +44,11 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} samples/s"),
                TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False, disable=not engine.is_main) as progress:
-        task = progress.add_task("train", total=total, completed=step, epoch=epoch + 1, loss=float("nan"), rate=0.0)
         while step < total:
             engine.train()
             groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
+            task = progress.add_task("train", total=min(steps, first_batch + total - step), completed=first_batch,
+                                     epoch=epoch + 1, loss=float("nan"), rate=0.0)  # a bar per epoch
             position = (epoch + 1, 0)
             for k, group in enumerate(groups, start=first_batch):
                 health.status["step"] = step + 1
@@ -209,7 +210,8 @@ class PipelineEngine:
     def epoch_metrics(self) -> dict:
         stats = self.pipe.stats()
         return {"stages": [{"stage": s.index, "name": s.name, "owner": str(p), "forward_s": st["compute_s"],
-                            "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"]}
+                            "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"], "wall_s": st["wall_s"],
+                            "process_cpu_s": st["process_cpu_s"], "mib_in": st["mib_in"], "mib_out": st["mib_out"]}
                            for s, p, st in zip(self.pipe.specs, self.pipe.places, stats)]}
 
     def rng_state(self):
@@ -247,11 +249,16 @@ class PipelineEngine:
         return health.explain(exc, {p.process for p in self.pipe.places})
 
     def summary(self, console: Console) -> None:
-        table = Table(title="rpcmp run", show_header=True)
-        for col in ("stage", "owner", "forward s", "micro-batches"):
-            table.add_column(col, justify="right" if col in ("forward s", "micro-batches") else "left")
+        table = Table(title="rpcmp run: stages", show_header=True,
+                      caption="busy: the owner process's CPU time over the stage's lifetime (1 thread: 100% = never "
+                              "waiting); MiB in/out: activations received/sent, gradients travel back the same")
+        cols = ("stage", "owner", "micro-batches", "forward s", "busy", "MiB in", "MiB out", "peak RSS MiB")
+        for col in cols:
+            table.add_column(col, justify="left" if col in ("stage", "owner") else "right")
         for spec, place, st in zip(self.pipe.specs, self.pipe.places, self.pipe.stats()):
-            table.add_row(f"{spec.index} {spec.name}", str(place), f"{st['compute_s']:.2f}", str(int(st["runs"])))
+            busy = st["process_cpu_s"] / max(st["wall_s"], 1e-9) / max(torch.get_num_threads(), 1)
+            table.add_row(f"{spec.index} {spec.name}", str(place), str(int(st["runs"])), f"{st['compute_s']:.2f}",
+                          f"{busy:.0%}", f"{st['mib_in']:.1f}", f"{st['mib_out']:.1f}", f"{st['peak_rss_mib']:.0f}")
         console.print(table)
 
 
