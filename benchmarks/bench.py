@@ -33,6 +33,7 @@ sys.path.insert(0, JOBS)
 import bench_models as bm  # noqa: E402
 
 WARMUP, STEPS = 3, 9
+MEMORY_BATCH = (16, 256)  # samples, image side: model and activations, not the runtime, dominate
 
 
 def median_time(step, warmup=WARMUP, steps=STEPS) -> float:
@@ -85,7 +86,7 @@ def _rpcmp_hops(job, world):
 
 
 def _rpcmp_unet_memory(job, world):
-    x, y = unet_data(8, 256)
+    x, y = unet_data(*MEMORY_BATCH)
     pipe = rpcmp.Pipeline(job, world, microbatches=4)
     for _ in range(2):
         pipe.train_step(x, y)
@@ -129,7 +130,7 @@ def _one_process(kind, threads, queue):
     torch.manual_seed(0)
     model = bm.mlp() if kind == "mlp" else bm.unet()
     loss_fn = bm.mse if kind == "mlp" else bm.bce
-    x, y = mlp_data() if kind == "mlp" else unet_data(8, 256) if kind == "unet-memory" else unet_data()
+    x, y = mlp_data() if kind == "mlp" else unet_data(*MEMORY_BATCH) if kind == "unet-memory" else unet_data()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
 
     def step():
@@ -242,13 +243,17 @@ def main(out):
     res["rpcmp_unet"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False)
     res["rpcmp_unet_shm"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
                                          overrides={"transport": "shm"})
+    res["rpcmp_unet_recompute"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
+                                               overrides={"recompute": True})
     res["hand_rpc_unet"] = spawn(_hand_rpc, 3)
     console.print("[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers")
     res["hop_s"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False)
     res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
                                     overrides={"transport": "shm"})
-    console.print("[bold]peak memory: split Unet vs one process, batch 8 of 1x256x256, SGD")
+    console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD")
     res["unet_memory_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
+    res["unet_memory_recompute_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory,
+                                                    master_in_process=False, overrides={"recompute": True})
     res["one_process_unet_memory_mib"] = one_process("unet-memory", 1)
     report(console, res)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -283,12 +288,16 @@ def report(console, res):
                   f"{ours / hand:.2f} (throughput x{hand / ours:.2f})")
     table.add_row("overhead per hop, forward + backward (uv; shm)", f"{res['hop_s'] * 1e3:.3f} ms",
                   f"{res['hop_s_shm'] * 1e3:.3f} ms", "")
-    mem = res["unet_memory_mib"]
-    largest = max(mem.values())
-    table.add_row("peak RSS, largest split-Unet process vs one process", f"{largest:.0f} MiB",
-                  f"{res['one_process_unet_memory_mib']:.0f} MiB", f"{largest / res['one_process_unet_memory_mib']:.2f}")
+    table.add_row("split Unet M=4, recompute vs not", f"{res['rpcmp_unet_recompute'] * 1e3:.0f} ms",
+                  f"{res['rpcmp_unet'] * 1e3:.0f} ms", f"{res['rpcmp_unet_recompute'] / res['rpcmp_unet']:.2f}")
+    one = res["one_process_unet_memory_mib"]
+    for label, key in (("", "unet_memory_mib"), (", recompute", "unet_memory_recompute_mib")):
+        largest = max(res[key].values())
+        table.add_row(f"peak RSS, largest split-Unet process{label} vs one process", f"{largest:.0f} MiB",
+                      f"{one:.0f} MiB", f"{largest / one:.2f}")
     console.print(table)
-    console.print("per-process peak RSS (MiB): " + ", ".join(f"{k} {v:.0f}" for k, v in mem.items()))
+    for key in ("unet_memory_mib", "unet_memory_recompute_mib"):
+        console.print(f"{key} per process: " + ", ".join(f"{k} {v:.0f}" for k, v in res[key].items()))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ def job_options(fn):
         click.option("--sync-batchnorm", is_flag=True, default=None, help="DDP mode: SyncBatchNorm."),
         click.option("--batchnorm", type=click.Choice(["batch", "micro"]),
                      help="BatchNorm statistics of the whole batch (exact) or of each micro-batch (pipelined)."),
+        click.option("--recompute", is_flag=True, default=None,
+                     help="Activation checkpointing per stage: less memory, one more forward per micro-batch."),
         click.option("--schedule", type=click.Choice(["overlap", "gpipe"]), help="Micro-batch schedule."),
         click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
                      help="Pipeline mode: write a Chrome-trace timeline of steps 2-4 here."),
@@ -53,7 +55,7 @@ def job_options(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
-                "mode", "accumulate", "precision", "sync_batchnorm", "batchnorm",
+                "mode", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
                 "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout", "metrics_file", "trace_file")
         for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
             value = kw.pop(opt, None)

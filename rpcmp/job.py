@@ -52,6 +52,7 @@ class Job:
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
     precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
+    recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/stage.py)
     batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/pipeline.py)
     sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
     schedule: str = "overlap"  # "overlap": each micro-batch's backward starts when its forward ends; "gpipe"

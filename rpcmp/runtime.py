@@ -36,6 +36,29 @@ __all__ = ["run_rank", "launch_local", "free_port", "default_threads"]
 _SHUTDOWN_TIMEOUT = 30.0
 
 
+def _one_malloc_arena() -> None:
+    """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise
+    (:func:`launch_local` sets it for its children; under torchrun this limits the arenas
+    of threads started from here on).
+
+    [Note: one malloc arena]
+    A stage process allocates from many threads: RPC threads receive activations and
+    gradients, the compute thread runs forwards, autograd threads run backwards and
+    recomputations. glibc gives each thread its own arena and keeps every arena's peak,
+    so a process's resident memory is the sum of the threads' high-water marks. One
+    arena lets them reuse each other's freed memory: on the split Unet (batch 16 of
+    256x256, M = 4, recompute) the largest stage process peaked at 1530-1560 MiB instead
+    of 1863 MiB, at the same step time (1.62 vs 1.58 s, within this machine's noise).
+    """
+    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def default_threads(local_procs: int) -> int:
     """Intra-op threads per process: the node's cores shared by its processes."""
     return max(1, (os.cpu_count() or 1) // max(1, local_procs))
@@ -87,6 +110,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     ``MASTER_ADDR`` / ``MASTER_PORT`` must be set (torchrun and :func:`launch_local` do).
     """
     _quiet()
+    _one_malloc_arena()
     job = load_job(job_path, overrides=overrides)
     preflight(rank, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
     local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -203,12 +227,18 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     results = None if master_in_process else ctx.Queue()
     first = 1 if master_in_process else 0
     procs = []
-    for rank in range(first, nprocs):
-        p = ctx.Process(target=_local_child, name=process_name(rank),
-                        args=(job_path, rank, nprocs, port, overrides, main,
-                              results if rank == 0 else None, os.getpid()))
-        p.start()
-        procs.append(p)
+    user_arenas = os.environ.get("MALLOC_ARENA_MAX")
+    os.environ["MALLOC_ARENA_MAX"] = user_arenas or "1"  # glibc reads it as each child starts: [Note: one malloc arena]
+    try:
+        for rank in range(first, nprocs):
+            p = ctx.Process(target=_local_child, name=process_name(rank),
+                            args=(job_path, rank, nprocs, port, overrides, main,
+                                  results if rank == 0 else None, os.getpid()))
+            p.start()
+            procs.append(p)
+    finally:
+        if user_arenas is None:
+            del os.environ["MALLOC_ARENA_MAX"]
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         if master_in_process:

@@ -1,12 +1,15 @@
-"""BatchNorm under micro-batching (whole-batch by default, per micro-batch on request) and
-mixed precision (bf16 autocast, fp16 with loss scaling) in pipeline mode."""
+"""BatchNorm under micro-batching (whole-batch by default, per micro-batch on request),
+recomputation (activation checkpointing) and mixed precision (bf16 autocast, fp16 with
+loss scaling) in pipeline mode."""
 import dataclasses
 
 import pytest
 import torch
 
 import rpcmp
+import torch.distributed.rpc as rpc
 from helpers import batches, load, run_ranks, train_reference
+from rpcmp import stage as _stage
 
 pytestmark = pytest.mark.integration
 STEPS = 3
@@ -15,14 +18,15 @@ STEPS = 3
 def _run(job, world_size):
     data = batches(STEPS, size=8, seed=3)
     out = {}
-    for bn_mode, ms in (("batch", (1, 2, 4)), ("micro", (1, 4))):
+    for bn_mode, ms, recompute in (("batch", (1, 2, 4), False), ("micro", (1, 4), False), ("micro", (4,), True)):
         for m in ms:
             for sched in ("overlap", "gpipe"):
-                pipe = rpcmp.Pipeline(dataclasses.replace(job, batchnorm=bn_mode), world_size, microbatches=m,
-                                      schedule=sched)
+                variant = dataclasses.replace(job, batchnorm=bn_mode, recompute=recompute)
+                pipe = rpcmp.Pipeline(variant, world_size, microbatches=m, schedule=sched)
                 losses = [pipe.train_step(x, y).item() for x, y in data]
                 pipe.eval()
-                out[(bn_mode, m, sched)] = (losses, pipe.state_dict(), pipe.predict(data[0][0]), pipe.batch_chunks)
+                key = (bn_mode, m, sched) + (("recompute",) if recompute else ())
+                out[key] = (losses, pipe.state_dict(), pipe.predict(data[0][0]), pipe.batch_chunks)
                 pipe.close()
     for precision in ("bf16", "fp16"):
         pipe = rpcmp.Pipeline(dataclasses.replace(job, precision=precision), world_size, microbatches=2)
@@ -76,6 +80,38 @@ def test_micro_batchnorm_pipelines_with_per_micro_batch_statistics(runs, sched):
     torch.testing.assert_close(state1, ref_state)
     assert abs(losses4[1] - ref_losses[1]) > 1e-4  # per-micro-batch normalisation really changes training
     assert int(state4["1.num_batches_tracked"]) == 4 * STEPS  # running statistics updated per micro-batch
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sched", ["overlap", "gpipe"])
+def test_recompute_gives_the_same_training_and_batchnorm_statistics(runs, sched):
+    losses, state, out, _ = runs[("micro", 4, sched, "recompute")]
+    ref_losses, ref_state, ref_out, _ = runs[("micro", 4, sched)]
+    # Gradients add up in another order (1-step gradients differ by ~1e-8); momentum and BatchNorm
+    # amplify that over 3 steps. A second running-statistics update would move them by ~10%.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    torch.testing.assert_close(state, ref_state, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(out, ref_out, rtol=1e-3, atol=1e-4)
+
+
+def _dropout_runs(job, world_size):
+    data = batches(4, size=8, seed=5)
+    out = {}
+    for recompute in (False, True):
+        torch.manual_seed(11)  # the same generator state on every process, for both runs
+        for w in ("worker1", "worker2"):
+            rpc.rpc_sync(w, _stage._set_rng_state, args=(_stage._rng_state(),))
+        pipe = rpcmp.Pipeline(dataclasses.replace(job, recompute=recompute), world_size, microbatches=4)
+        out[recompute] = ([pipe.train_step(x, y).item() for x, y in data], pipe.state_dict())
+        pipe.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_recompute_draws_the_same_dropout_masks():
+    runs = run_ranks("dropout", 3, _dropout_runs, timeout=240)
+    assert runs[True][0] == runs[False][0]
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(300)
