@@ -134,8 +134,7 @@ def predict(job_file, checkpoint, out, images, nprocs, overrides):
     console = Console()
     console.print(f"{result['samples']} samples of the {result['dataset']} set predicted with {result['checkpoint']}")
     if result["metric"] is not None:
-        from .job import load_job
-        console.print(f"{load_job(job_file).metric_name}: [bold]{result['metric']:.4f}[/]")
+        console.print(f"{result['metric_name']}: [bold]{result['metric']:.4f}[/]")
     console.print(f"outputs: {result['predictions']}" + (f"; {len(result['images'])} PNG panels "
                   f"(input | truth | prediction) in {out}" if result["images"] else ""))
 

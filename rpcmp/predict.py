@@ -70,7 +70,7 @@ def write_predictions(job, forward: Callable[[Any], Any], out_dir: str, images: 
         count += n
     path = os.path.join(out_dir, "predictions.pt")
     torch.save(gather(outputs), path)
-    return {"samples": count, "dataset": which, "predictions": path, "images": pngs,
+    return {"samples": count, "dataset": which, "predictions": path, "images": pngs, "metric_name": job.metric_name,
             "metric": total / count if job.metric is not None and count else None}
 
 
