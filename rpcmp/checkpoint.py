@@ -7,6 +7,12 @@ training position (step, epoch, batch within the epoch, seed), every process's R
 (restored when each process holds the same stages again, so dropout resumes exactly)
 and the fp16 loss scale.
 
+In pipeline mode each stage's owner also writes ``step-NNNNNNNN.stage-K.pt`` beside it,
+on its own node: that stage's parameters and buffers (keys of the stage module, loadable
+into it with ``strict=True``), its optimizer state and the step. They are written
+before the consolidated file, whose presence marks a complete checkpoint; resuming reads
+the consolidated file, so it works under any split.
+
 Writes are atomic: the file is written beside its final name, flushed to disk and then
 renamed, so a crash or a full disk during a save never damages an earlier checkpoint.
 """
@@ -22,9 +28,11 @@ import torch
 
 from .errors import RpcmpError
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_model_keys"]
+__all__ = ["CheckpointError", "save_checkpoint", "save_stage_file", "load_checkpoint", "latest_checkpoint",
+           "check_model_keys"]
 
 FORMAT = "rpcmp-checkpoint/1"
+STAGE_FORMAT = "rpcmp-stage/1"
 _NAME = re.compile(r"step-(\d+)\.pt$")
 
 
@@ -34,12 +42,30 @@ class CheckpointError(RpcmpError, ValueError):
 
 def save_checkpoint(directory: str, payload: dict[str, Any], step: int, keep_last: int = 2) -> str:
     """Write ``payload`` as ``directory/step-NNNNNNNN.pt`` atomically; keep the newest ``keep_last``."""
+    path = _atomic_save(directory, f"step-{step:08d}.pt", {"format": FORMAT, **payload})
+    for old in _checkpoints(directory)[:-keep_last] if keep_last > 0 else []:
+        os.remove(old)
+    return path
+
+
+def save_stage_file(directory: str, index: int, payload: dict[str, Any], step: int, keep_last: int = 2) -> str:
+    """Write one stage's ``directory/step-NNNNNNNN.stage-K.pt`` (on its owner); keep the newest ``keep_last``."""
+    path = _atomic_save(directory, f"step-{step:08d}.stage-{index}.pt", {"format": STAGE_FORMAT, **payload})
+    pattern = re.compile(rf"step-(\d+)\.stage-{index}\.pt$")
+    found = sorted((int(m.group(1)), p) for p in glob.glob(os.path.join(directory, f"step-*.stage-{index}.pt"))
+                   if (m := pattern.search(p)))
+    for _, old in found[:-keep_last] if keep_last > 0 else []:
+        os.remove(old)
+    return path
+
+
+def _atomic_save(directory: str, name: str, payload: dict[str, Any]) -> str:
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"step-{step:08d}.pt")
+    path = os.path.join(directory, name)
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, **payload}, f)
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -55,8 +81,6 @@ def save_checkpoint(directory: str, payload: dict[str, Any], step: int, keep_las
             f"{previous or '(none)'} is intact. Free space in {directory} or point --checkpoint-dir "
             f"elsewhere, then resume"
         ) from exc
-    for old in _checkpoints(directory)[:-keep_last] if keep_last > 0 else []:
-        os.remove(old)
     return path
 
 

@@ -328,6 +328,13 @@ class Pipeline:
         _wait_all([rpc.rpc_async(r.owner(), _stage._load_optimizer_state, args=(self.pid, r, state))
                    for r in self._remote_optimizers])
 
+    def save_stage_files(self, directory: str, step: int, keep_last: int) -> list[str]:
+        """Each owner writes its stages' own checkpoint files, on its node."""
+        optims = {r.owner().name: r for r in self._remote_optimizers}
+        return _wait_all([rpc.rpc_async(p.process, _stage._save_stage,
+                                        args=(self.pid, i, optims.get(p.process), directory, step, keep_last))
+                          for i, p in enumerate(self.places)])
+
     def rng_state(self) -> dict[str, Any]:
         """Every process's RNG state, by process name, and the stages each one holds."""
         owners = self._rng_owners()

@@ -390,6 +390,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, keep_last: int) -> str:
+    """Write this stage's own checkpoint file here, on its owner (see rpcmp/checkpoint.py)."""
+    from .checkpoint import save_stage_file
+    host = _HOSTS[(pid, index)]
+    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    optim = _optimizer_state(pid, optim_rref) if optim_rref is not None else {}
+    return save_stage_file(directory, index, {
+        "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
+        "model": {k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()},
+        "optimizer": {k: v for k, v in optim.items() if k in names},
+    }, step, keep_last)
+
+
 def _set_trace(pid: int, index: int, on: bool) -> list:
     """Start (on) or stop tracing this stage; stopping returns the recorded slices."""
     host = _HOSTS[(pid, index)]

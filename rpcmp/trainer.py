@@ -285,6 +285,8 @@ def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
     if not engine.is_main:  # DDP: every rank holds the same state; rank 0 writes it
         return step
     cls, _ = job.optimizer
+    if engine.mode == "pipeline":
+        engine.pipe.save_stage_files(job.checkpoint_dir, step, job.keep_last)
     health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
         "mode": engine.mode, "model": engine.state_dict(),
         "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},

@@ -27,13 +27,16 @@ def _fit(job, world_size):
 def test_train_2n_equals_n_save_restore_n_under_another_split(tmp_path, first, second):
     common = {"optimizer": ADAM, "max_steps": 10, "epochs": 2}  # 32 batches/epoch: crosses no epoch end
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    assert run_ranks("mlp", 3, _fit, {**common, "stages": rpcmp.Split(first), "checkpoint_dir": straight}) == 10
+    assert run_ranks("mlp", 3, _fit, {**common, "stages": rpcmp.Split(first), "checkpoint_dir": straight,
+                                       "checkpoint_every": 1}) == 10
     assert run_ranks("mlp", 3, _fit, {**common, "stages": rpcmp.Split(first), "checkpoint_dir": split,
                                        "max_steps": 5}) == 5
     assert run_ranks("mlp", 3, _fit, {**common, "stages": rpcmp.Split(second), "checkpoint_dir": split,
                                        "resume": True}) == 10
     a, b = load_checkpoint(straight), load_checkpoint(split)
     assert a["step"] == b["step"] == 10
+    assert sorted(p for p in os.listdir(straight) if ".stage-" in p) == \
+        [f"step-{s:08d}.stage-{i}.pt" for s in (9, 10) for i in range(len(first))]  # keep_last=2 per stage
     torch.testing.assert_close(b["model"], a["model"])
     torch.testing.assert_close(b["optimizer"]["state"], a["optimizer"]["state"])
     # and the consolidated state is the plain model's
@@ -71,6 +74,17 @@ def test_split_unet_checkpoint_loads_into_plain_unet(tmp_path):
     plain.eval()
     with torch.no_grad():
         torch.testing.assert_close(plain(x), split_out)
+    # and each owner wrote its own stage's file, which loads into that part of the plain model
+    for index, name in enumerate(["encoder", "decoder", "segmentation_head"]):
+        stage = torch.load(tmp_path / f"step-00000001.stage-{index}.pt", weights_only=False)
+        assert (stage["format"], stage["stage"], stage["step"], stage["owner"]) == \
+            ("rpcmp-stage/1", index, 1, ["worker1/cpu", "worker2/cpu", "master/cpu"][index])
+        part = getattr(smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1), name)
+        part.load_state_dict(stage["model"], strict=True)
+        torch.testing.assert_close(stage["model"], {k[len(name) + 1:]: v for k, v in ckpt["model"].items()
+                                                    if k.startswith(name + ".")})
+        params = {name + "." + n for n, _ in part.named_parameters()}
+        assert set(stage["optimizer"]) <= params and set(stage["optimizer"]) == params & set(ckpt["optimizer"]["state"])
 
 
 WRITER = """
