@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from .errors import JobError
 from .microbatch import batch_size, to_device
+from .trainer import _DEVICE, data_loader, step_groups
 
 __all__ = ["DDPEngine", "init_ddp"]
 
@@ -82,7 +82,6 @@ class DDPEngine:
                                      seed=self.job.seed, drop_last=True)
         sampler.set_epoch(epoch)
         batches = list(torch.utils.data.BatchSampler(sampler, self.local_batch, drop_last=True))
-        from .trainer import step_groups
         return step_groups(dataset, batches, first_batch, self.job.accumulate)
 
     def steps_per_epoch(self, n: int) -> int:
@@ -134,7 +133,7 @@ class DDPEngine:
         self.model.eval()
         mine = list(range(self.rank, len(dataset), self.world))
         acc = torch.zeros(2, dtype=torch.float64)
-        for x, y in DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=self.local_batch):
+        for x, y in data_loader(torch.utils.data.Subset(dataset, mine), batch_size=self.local_batch):
             with self._autocast():
                 out = self.model.module(to_device(x, self.device))
             n = batch_size(x)
@@ -164,11 +163,20 @@ class DDPEngine:
                 self.optimizer.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) and v.dim() else v
                                            for k, v in state[name].items()}
 
-    def rng_state(self) -> None:
-        return None  # only rank 0 writes checkpoints; the other ranks' generators are not gathered
+    def rng_state(self) -> dict[str, Any]:
+        """Every rank's RNG state (called on every rank: a collective)."""
+        from .stage import _rng_state
+        states = [None] * self.world
+        dist.all_gather_object(states, _rng_state())
+        return {"processes": {f"rank{r}": s for r, s in enumerate(states)}, "stages": {"ddp": [str(self.world)]}}
 
-    def load_rng_state(self, state) -> bool:
-        return False
+    def load_rng_state(self, saved: dict[str, Any] | None) -> bool:
+        """Restore this rank's RNG if the checkpoint came from as many DDP ranks."""
+        from .stage import _set_rng_state
+        if not saved or saved.get("stages") != {"ddp": [str(self.world)]}:
+            return False
+        _set_rng_state(saved["processes"][f"rank{self.rank}"])
+        return True
 
     def step_metrics(self) -> dict:
         return {"lr": self.optimizer.param_groups[0]["lr"]}
@@ -187,7 +195,6 @@ class DDPEngine:
                 f"{self.local_batch} samples per rank, accumulate {self.job.accumulate}, {self.job.precision}")
 
     def explain(self, exc: BaseException) -> BaseException:
-        from .trainer import _DEVICE
         beats = _DEVICE.get("heartbeats")
         return beats.explain(exc) if beats is not None else exc
 

@@ -13,11 +13,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from .checkpoint import check_model_keys, load_checkpoint
 from .errors import JobError
 from .microbatch import batch_size, gather
+from .trainer import data_loader
 
 __all__ = ["predict_local", "predict_split", "write_predictions", "panel"]
 
@@ -55,7 +55,7 @@ def write_predictions(job, forward: Callable[[Any], Any], out_dir: str, images: 
     dataset, which = (heldout, "held-out") if heldout is not None else (train, "training (the job has no held-out set)")
     os.makedirs(out_dir, exist_ok=True)
     outputs, total, count, pngs = [], 0.0, 0, []
-    for x, y in DataLoader(dataset, batch_size=job.batch_size):
+    for x, y in data_loader(dataset, batch_size=job.batch_size):
         out = forward(x)
         outputs.append(out)
         n = batch_size(x)

@@ -19,7 +19,7 @@ from .microbatch import batch_size, gather
 from .pipeline import Pipeline
 from .trace import write_chrome_trace
 
-__all__ = ["fit", "evaluate", "sample_batch", "epoch_batches", "make_engine", "PipelineEngine"]
+__all__ = ["fit", "evaluate", "sample_batch", "epoch_batches", "make_engine", "PipelineEngine", "data_loader"]
 
 
 def fit(job, world_size: int, console: Console | None = None, engine=None) -> dict[str, Any]:
@@ -277,11 +277,18 @@ def step_groups(dataset, batches: list, first_step: int, accumulate: int):
     groups and the number of steps in the whole epoch."""
     steps = len(batches) // accumulate
     usable = batches[first_step * accumulate: steps * accumulate]
-    it = iter(DataLoader(dataset, batch_sampler=usable))
+    it = iter(data_loader(dataset, batch_sampler=usable))
     return ([next(it) for _ in range(accumulate)] for _ in range(len(usable) // accumulate)), steps
 
 
+def data_loader(dataset, **kwargs) -> DataLoader:
+    """A DataLoader that leaves the global RNG alone: a plain one draws a seed from it for
+    every iterator, so a resumed run (one more iterator) would draw other dropout masks."""
+    return DataLoader(dataset, generator=torch.Generator(), **kwargs)
+
+
 def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
+    rng = engine.rng_state()  # DDP: a collective, so every rank takes part
     if not engine.is_main:  # DDP: every rank holds the same state; rank 0 writes it
         return step
     cls, _ = job.optimizer
@@ -292,7 +299,7 @@ def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
         "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},
         "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
-        "rng": engine.rng_state(), "loss_scale": getattr(engine, "loss_scale", None),
+        "rng": rng, "loss_scale": getattr(engine, "loss_scale", None),
     }, step, job.keep_last)
     return step
 
@@ -317,8 +324,8 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int]:
     if ckpt.get("loss_scale") and getattr(pipe, "loss_scale", None):
         pipe.loss_scale = ckpt["loss_scale"]
     console.print(f"resumed from {ckpt['path']} (step {ckpt['step']}, written in {ckpt['mode']} mode)"
-                  + ("" if rng else "; random number generators start afresh (saved in DDP mode or with other stages "
-                                    "on each process), so dropout draws other masks than an uninterrupted run would"))
+                  + ("" if rng else "; random number generators start afresh (saved in the other mode, or with other stages "
+                                    "or ranks on each process), so dropout draws other masks than an uninterrupted run would"))
     return ckpt["step"], ckpt["epoch"], ckpt["next_batch"]
 
 
@@ -326,7 +333,7 @@ def sample_batch(job) -> Any:
     """The first training batch's input, for balancing by time; None when the job has no data."""
     if not _needs_sample(job) or job.data is None:
         return None
-    x = next(iter(DataLoader(_datasets(job)[0], batch_size=job.batch_size)))[0]
+    x = next(iter(data_loader(_datasets(job)[0], batch_size=job.batch_size)))[0]
     return x
 
 
@@ -339,7 +346,7 @@ def evaluate(pipe: Pipeline, dataset, job) -> float:
     """Mean of ``job.metric`` over ``dataset`` (weighted by batch size), stages in eval mode."""
     pipe.eval()
     total, count = 0.0, 0
-    for x, y in DataLoader(dataset, batch_size=job.batch_size):
+    for x, y in data_loader(dataset, batch_size=job.batch_size):
         n = batch_size(x)
         total += float(job.metric(pipe.predict(x), y)) * n
         count += n

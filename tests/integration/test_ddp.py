@@ -88,3 +88,15 @@ def test_ddp_from_the_command_line(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DDP on 2 ranks (gloo), 4 samples per rank, accumulate 1, bf16" in proc.stdout
     assert re.search(r"steps 20\s+loss", proc.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_ddp_resume_restores_every_rank_rng_so_dropout_resumes_exactly(tmp_path):
+    common = {"mode": "ddp", "max_steps": 8, "epochs": 2}
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    run_ranks("dropout", 2, _fit, {**common, "checkpoint_dir": straight})
+    run_ranks("dropout", 2, _fit, {**common, "checkpoint_dir": split, "max_steps": 4})
+    run_ranks("dropout", 2, _fit, {**common, "checkpoint_dir": split, "resume": True})
+    a, b = load_checkpoint(straight), load_checkpoint(split)
+    assert a["step"] == b["step"] == 8 and set(a["rng"]["processes"]) == {"rank0", "rank1"}
+    torch.testing.assert_close(b["model"], a["model"])
