@@ -26,11 +26,11 @@ context, step 193 ms with one context per micro-batch vs 236 ms).
 As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums
 always add up in the same order), each owner adds its gradients into the first
 context's (:func:`rpcmp.stage._merge_grads`) and the context is released: an owner
-holds two copies of its gradients at a time, not M (measured on the split Unet,
-batch 16 of 256x256, M = 4, recompute: the encoder process's peak RSS fell from 1697 to
-1521 MiB). The
-DistributedOptimizer steps with the first context. The loss of micro-batch i is weighted by its share of the batch,
-which is exact for losses that are means over samples. ``schedule="gpipe"`` keeps one
+holds two copies of its gradients at a time, not M (measured on the split Unet, batch
+16 of 256x256, M = 4, recompute: the encoder process's peak RSS fell from 1697 to
+1521 MiB), and the merges overlap the remaining backward passes. The
+DistributedOptimizer steps with the first context. The loss of micro-batch i is
+weighted by its share of the batch, which is exact for losses that are means over samples. ``schedule="gpipe"`` keeps one
 context per step and computes the loss once on the gathered output: exact for any loss
 (a batch-level Dice, say), with less overlap.
 

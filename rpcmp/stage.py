@@ -26,19 +26,8 @@ micro-batches' nodes interleave, the engine works on all of them together, and t
 upstream stage sits idle until the last one is done (measured: 141 ms instead of
 ~75 ms for the backward of a 2-stage MLP at M = 4).
 
-[Note: recompute]
-With ``Job(recompute=True)`` a stage keeps only its input for backward and runs its
-forward again when the backward reaches it (``torch.utils.checkpoint``, non-reentrant): the M
-micro-batches in flight then hold M stage inputs instead of M sets of activations, at
-the cost of one more forward per micro-batch. The second forward runs on an autograd
-thread while the stage's compute thread may be running a later micro-batch's forward,
-so (1) the two take the stage's lock in turn, and the recomputation sets the global RNG
-to the state its first pass started from and puts it back (checkpoint's own
-``preserve_rng_state`` would reset the RNG under the other thread's feet); (2) it must
-not move BatchNorm's running statistics a second time, and cannot switch the shared
-layers' momentum off, so the stage's BatchNorm layers get a subclass that, on a
-recomputing thread, normalises with the batch's statistics (what the first pass did)
-without touching the running ones.
+Activation checkpointing (``Job(recompute=True)``): see [Note: recompute] in
+:mod:`rpcmp.recompute`.
 """
 from __future__ import annotations
 
@@ -54,12 +43,11 @@ from typing import Any
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from .errors import StageError
 from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
+from .recompute import Recomputed, make_recomputable
 from .placement import MASTER, Place, check_device
 
 __all__: list[str] = []  # everything here is called over RPC by rpcmp.pipeline
@@ -132,8 +120,7 @@ class _StageHost:
                                                           enabled=self.autocast is not None):
             with self.lock:
                 if self.recompute and grad:
-                    y = checkpoint(_Recomputed(self.module, self.lock, self.device), x, use_reentrant=False,
-                                   preserve_rng_state=False)
+                    y = Recomputed.run(self.module, self.lock, self.device, x)
                 else:
                     y = self.module(x)
         check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
@@ -171,60 +158,6 @@ class _StageHost:
 
 
 
-_RECOMPUTING = threading.local()
-
-
-class _Recomputed:
-    """Calls the stage module; the second call is the recomputation. See [Note: recompute]."""
-
-    def __init__(self, module: torch.nn.Module, lock: threading.RLock, device: torch.device):
-        self.module, self.lock, self.device, self.rng = module, lock, device, None
-
-    def __call__(self, x: Any) -> Any:
-        if self.rng is None:  # the first pass, on the compute thread (which holds the lock)
-            self.rng = self._rng()
-            return self.module(x)
-        with self.lock:
-            now = self._rng()
-            self._set_rng(self.rng)
-            _RECOMPUTING.on = True
-            try:
-                return self.module(x)
-            finally:
-                _RECOMPUTING.on = False
-                self._set_rng(now)
-
-    def _rng(self):
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
-
-    def _set_rng(self, state) -> None:
-        torch.set_rng_state(state[0])
-        if state[1] is not None:
-            torch.cuda.set_rng_state(state[1], self.device)
-
-
-class _RecomputableBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
-    """Mixed into a stage's BatchNorm classes when it recomputes: see [Note: recompute]."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(_RECOMPUTING, "on", False) and self.training and self.track_running_stats:
-            self._check_input_dim(x)  # copies of the running statistics take the update (and keep the saved
-            return F.batch_norm(x, self.running_mean.clone(), self.running_var.clone(),  # tensors as in pass 1)
-                                self.weight, self.bias, True, 0.0, self.eps)
-        return super().forward(x)
-
-
-def _recomputable(module: torch.nn.Module) -> None:
-    for m in module.modules():
-        cls = type(m)
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, _RecomputableBatchNorm):
-            if cls not in _RECOMPUTABLE:
-                _RECOMPUTABLE[cls] = type(cls.__name__, (_RecomputableBatchNorm, cls), {})
-            m.__class__ = _RECOMPUTABLE[cls]
-
-
-_RECOMPUTABLE: dict[type, type] = {}
 
 
 def _whoami() -> str:
@@ -246,7 +179,7 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
     keep = bool(options["device_maps"])
     bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
     if options["recompute"]:
-        _recomputable(module)
+        make_recomputable(module)
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
     _HOSTS[(pid, spec.index)] = _StageHost(pid, spec, place, module, device, next_process, keep, timeout,
                                            autocast, bool(options["recompute"]))
