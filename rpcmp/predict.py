@@ -75,9 +75,11 @@ def write_predictions(job, forward: Callable[[Any], Any], out_dir: str, images: 
 
 
 def panel(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> np.ndarray:
-    """Input | truth | prediction as one RGB uint8 image (C, H, W tensors; out holds logits:
-    one channel -> sigmoid > 0.5, several -> argmax). Small images are scaled up to >= 128 px."""
-    parts = [_gray_or_rgb(_unit(x)), _gray_or_rgb(_labels(y)), _gray_or_rgb(_labels(out, logits=True))]
+    """Input | truth | prediction as one RGB uint8 image. ``x``: (C, H, W); ``y``: a (1, H, W)
+    mask, (H, W) class indices or (K, H, W) one-hot; ``out``: (K, H, W) logits, shown as
+    sigmoid > 0.5 for K = 1 and argmax for more. Small images are scaled up to >= 128 px."""
+    classes = out.shape[0] if out.dim() == 3 else 1
+    parts = [_gray_or_rgb(_unit(x)), _gray_or_rgb(_labels(y, classes)), _gray_or_rgb(_labels(out, classes, logits=True))]
     h = max(p.shape[0] for p in parts)
     sep = np.full((h, 2, 3), 255, np.uint8)
     row = np.concatenate([parts[0], sep, parts[1], sep, parts[2]], axis=1)
@@ -95,14 +97,17 @@ def _unit(t: torch.Tensor) -> torch.Tensor:
     return (t - lo) / (hi - lo) if hi > lo else torch.zeros_like(t)
 
 
-def _labels(t: torch.Tensor, logits: bool = False) -> torch.Tensor:
+def _labels(t: torch.Tensor, classes: int, logits: bool = False) -> torch.Tensor:
+    """As a (1, H, W) image in [0, 1]: a mask or a sigmoid > 0.5 for one class; class
+    indices, one-hot maps or argmax of logits over (classes - 1) for several."""
     t = t.float()
     if t.dim() == 2:  # (H, W) class indices
-        t = t[None]
+        return (t / max(classes - 1, 1))[None]
     if t.shape[0] == 1:
-        return (torch.sigmoid(t) > 0.5).float() if logits else t.clamp(0, 1)
-    classes = t.argmax(0, keepdim=True).float()
-    return classes / max(t.shape[0] - 1, 1)
+        if logits:
+            return (torch.sigmoid(t) > 0.5).float()
+        return t.clamp(0, 1) if classes == 1 else t / max(classes - 1, 1)
+    return t.argmax(0, keepdim=True).float() / max(t.shape[0] - 1, 1)
 
 
 def _gray_or_rgb(t: torch.Tensor) -> np.ndarray:

@@ -43,6 +43,8 @@ def test_job_file_without_job(tmp_path):
     ("transport", "ib", "transport must be one of"),
     ("optimizer", ("sgd", {}), "torch.optim.<Class>"),
     ("max_steps", 0, "max_steps must be None or a positive integer"),
+    ("batchnorm", "deferred", r"batchnorm must be 'batch' \(whole-batch statistics, exact\) or 'micro'"),
+    ("precision", "fp8", "precision must be 'fp32', 'bf16' or 'fp16'"),
 ])
 def test_job_validation(field, value, match):
     with pytest.raises(JobError, match=match):
