@@ -31,6 +31,7 @@ Activation checkpointing (``Job(recompute=True)``): see [Note: recompute] in
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
@@ -110,14 +111,18 @@ class _StageHost:
                 self.next_seq = max(self.next_seq, seq + 1)
                 self.turn.notify_all()
 
+    def _precision(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
     def _compute(self, x: Any, grad: bool, seq: int) -> Any:
         start, wall = time.perf_counter(), time.time()
         self.bytes_in += sum(t.nbytes for t in tensors(x))
         x = to_device(x, self.device, non_blocking=True)
         if self.events is not None and grad:
             x = self._trace_backward_end(x, seq)
-        with torch.set_grad_enabled(grad), torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16,
-                                                          enabled=self.autocast is not None):
+        with torch.set_grad_enabled(grad), self._precision():
             with self.lock:
                 if self.recompute and grad:
                     y = Recomputed.run(self.module, self.lock, self.device, x)
@@ -293,12 +298,13 @@ def _named_params(pid: int) -> dict[torch.Tensor, str]:
             for n, p in host.module.named_parameters()}
 
 
-def _optimizer_state(pid: int, optim_rref) -> dict[str, dict[str, torch.Tensor]]:
-    """This process's optimizer state, keyed by the unsplit model's parameter names."""
+def _optimizer_state(pid: int, optim_rref, only: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """This process's optimizer state (of parameters named in ``only``, if given), keyed by
+    the unsplit model's parameter names."""
     optim = optim_rref.local_value().optim
     names = _named_params(pid)
     return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-            for p, st in optim.state.items() if p in names}
+            for p, st in optim.state.items() if p in names and (only is None or names[p] in only)}
 
 
 def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]]) -> int:
@@ -328,11 +334,10 @@ def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, kee
     from .checkpoint import save_stage_file
     host = _HOSTS[(pid, index)]
     names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
-    optim = _optimizer_state(pid, optim_rref) if optim_rref is not None else {}
     return save_stage_file(directory, index, {
         "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
         "model": {k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()},
-        "optimizer": {k: v for k, v in optim.items() if k in names},
+        "optimizer": _optimizer_state(pid, optim_rref, names) if optim_rref is not None else {},
     }, step, keep_last)
 
 
