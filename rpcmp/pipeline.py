@@ -123,18 +123,16 @@ class Pipeline:
         parts = scatter(x, chunks or self.microbatches)
         first = self.places[0].process
         seqs = self._next_seqs(len(parts))
-        futs = [rpc.rpc_async(first, _stage._forward, args=(self.pid, 0, s, p, grad)) for s, p in zip(seqs, parts)]
+        futs = [_stage._send(self.pid, s, first, p, grad) for s, p in zip(seqs, parts)]
         try:
-            _wait_all(futs)
+            outs = _wait_all(futs)
         except Exception:
-            for s in seqs:
-                _stage._INBOX.pop((self.pid, s), None)
+            _stage._abandon(self.pid, seqs)
             self._resync()
             raise
-        return gather([self._take(s) for s in seqs])
+        return gather([self._fp32(out) for out in outs])
 
-    def _take(self, seq: int) -> Any:
-        out = _stage._take(self.pid, seq)
+    def _fp32(self, out: Any) -> Any:
         if self.job.precision == "fp32":
             return out
         return map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)  # the loss is computed in fp32
@@ -174,9 +172,7 @@ class Pipeline:
             try:
                 with dist_autograd.context() as ctx:
                     ctx_ids[i] = ctx
-                    rpc.rpc_async(self.places[0].process, _stage._forward,
-                                  args=(self.pid, 0, seqs[i], xs[i], True)).wait()
-                    out = self._take(seqs[i])
+                    out = self._fp32(_stage._send(self.pid, seqs[i], self.places[0].process, xs[i], True).wait())
                     loss = self.job.loss(out, ys[i]) * (batch_size(xs[i]) / n)
                     dist_autograd.backward(ctx, [self._scaled(loss)])
                     losses[i] = loss.detach()
@@ -216,8 +212,7 @@ class Pipeline:
             for f in futs:
                 f.result()
         if errors:
-            for s in seqs:
-                _stage._INBOX.pop((self.pid, s), None)
+            _stage._abandon(self.pid, seqs)
             self._resync()
             raise _unwrap(errors[0])
         return torch.stack(losses).sum()

@@ -9,7 +9,10 @@ along, so ``dist_autograd.backward`` sends each gradient straight back along the
 same hops: stage to stage, never via the master. ``_forward`` is an
 ``async_execution`` function: it returns the downstream future, so the RPC thread is
 free at once, errors travel back to the master, and stage k works on micro-batch
-m + 1 while stage k + 1 works on m (GPipe fill and drain).
+m + 1 while stage k + 1 works on m (GPipe fill and drain). The master does not wait for
+those answers to come back down the chain: a micro-batch is done when its output
+arrives (:func:`_send`), which saves a one-way trip per stage (3 identity stages on
+the uv transport: 1.46-1.54 instead of 1.56-1.61 ms per hop, forward and backward).
 
 Micro-batches are numbered by the master (``seq``); a stage runs them strictly in
 that order, whatever order RPC threads pick them up in, so BatchNorm statistics and
@@ -55,7 +58,8 @@ __all__: list[str] = []  # everything here is called over RPC by rpcmp.pipeline
 
 _JOB = None  # the Job this process imported (set by rpcmp.runtime)
 _HOSTS: dict[tuple[int, int], "_StageHost"] = {}
-_INBOX: dict[tuple[int, int], Any] = {}  # (pipeline id, seq) -> last stage output, on the master
+_INBOX: dict[tuple[int, int], torch.futures.Future] = {}  # (pipeline id, seq) -> its output, on the master
+_INBOX_LOCK = threading.Lock()
 
 
 def set_job(job) -> None:
@@ -210,8 +214,41 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
 
 
+def _send(pid: int, seq: int, first: str, x: Any, grad: bool) -> torch.futures.Future:
+    """On the master: start micro-batch ``seq`` at the first stage's owner ``first``.
+
+    The returned future completes with the last stage's output the moment :func:`_deliver`
+    brings it, or with the first error of the chain. Each ``_forward`` answers its caller
+    only when the rest of the chain has answered it (that is how an error travels back), so
+    waiting for the chain's own future would add a one-way trip per stage after the output
+    has arrived; see [Note: why activations skip the master].
+    """
+    out = torch.futures.Future()
+    with _INBOX_LOCK:
+        _INBOX[(pid, seq)] = out
+
+    def failed(chain: torch.futures.Future) -> None:
+        try:
+            chain.wait()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiting master
+            _settle(pid, seq, exc)
+    rpc.rpc_async(first, _forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
+    return out
+
+
+def _settle(pid: int, seq: int, value: Any) -> None:
+    with _INBOX_LOCK:
+        out = _INBOX.pop((pid, seq), None)
+    if out is None:  # delivered already (a later error in the answers back) or abandoned
+        return
+    if isinstance(value, Exception):
+        out.set_exception(value)
+    else:
+        out.set_result(value)
+
+
 def _deliver(pid: int, seq: int, y: Any, _now: bool = False):
-    _INBOX[(pid, seq)] = y
+    _settle(pid, seq, y)
     if _now:
         fut = torch.futures.Future()
         fut.set_result(None)
@@ -219,8 +256,10 @@ def _deliver(pid: int, seq: int, y: Any, _now: bool = False):
     return None
 
 
-def _take(pid: int, seq: int) -> Any:
-    return _INBOX.pop((pid, seq))
+def _abandon(pid: int, seqs: list[int]) -> None:
+    with _INBOX_LOCK:
+        for seq in seqs:
+            _INBOX.pop((pid, seq), None)
 
 
 def _param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
