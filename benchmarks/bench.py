@@ -1,6 +1,6 @@
 """rpcmp against what a user would otherwise run, same stages, data and cores, in one run.
 
-    make bench            # or: .venv/bin/python benchmarks/bench.py [--quick]
+    make bench            # or: .venv/bin/python benchmarks/bench.py [--out FILE]
 
 Every figure is the median step time of several steps after warm-up; every process
 sets its intra-op thread count explicitly; ratios compare figures from this one run.
@@ -33,6 +33,10 @@ sys.path.insert(0, JOBS)
 import bench_models as bm  # noqa: E402
 
 WARMUP, STEPS = 3, 9
+# Step times of the same configuration differ by 10-20% from one launch to the next on this
+# VM, more than the rpcmp / pipelining difference; that comparison alternates ROUNDS launches
+# of each and takes the median over them.
+ROUNDS = 3
 MEMORY_BATCH = (16, 256)  # samples, image side: model and activations, not the runtime, dominate
 
 
@@ -227,13 +231,19 @@ def one_process(kind, threads):
 def main(out):
     console = Console()
     res = {}
-    console.print("[bold]MLP 8x Linear(1024,1024)+ReLU, batch 256, 2 stages on 2 processes, 1 thread each")
-    res["rpcmp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
+    console.print(f"[bold]MLP 8x Linear(1024,1024)+ReLU, batch 256, 2 stages on 2 processes, 1 thread each; "
+                  f"rpcmp and pipelining alternate, {ROUNDS} launches each")
+    rounds = []
+    for _ in range(ROUNDS):
+        ours = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
+        rounds.append((ours, {f"{k[0]}_m{k[1]}": v for k, v in spawn(_pipelining, 2).items()}))
+    res["rpcmp_mlp"] = {m: statistics.median(r[0][m] for r in rounds) for m in rounds[0][0]}
+    res["pipelining_mlp"] = {k: statistics.median(r[1][k] for r in rounds) for k in rounds[0][1]}
+    res["mlp_m4_ratio_per_round"] = [r[0][4] / min(r[1]["gpipe_m4"], r[1]["1f1b_m4"]) for r in rounds]
     res["rpcmp_mlp_shm"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                         overrides={"transport": "shm"})
     res["rpcmp_mlp_gpipe"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                           overrides={"schedule": "gpipe"})
-    res["pipelining_mlp"] = {f"{k[0]}_m{k[1]}": v for k, v in spawn(_pipelining, 2).items()}
     res["one_process_mlp"] = {t: one_process("mlp", t) for t in (1, 2)}
     console.print("[bold]DDP mode: the same MLP, 2 ranks x 128 samples, gloo, 1 thread each")
     res["rpcmp_ddp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_ddp, master_in_process=False,
@@ -296,6 +306,8 @@ def report(console, res):
         table.add_row(f"peak RSS, largest split-Unet process{label} vs one process", f"{largest:.0f} MiB",
                       f"{one:.0f} MiB", f"{largest / one:.2f}")
     console.print(table)
+    console.print(f"MLP M=4 medians over {len(res['mlp_m4_ratio_per_round'])} alternating launches; ratio per launch: "
+                  + ", ".join(f"{r:.2f}" for r in res["mlp_m4_ratio_per_round"]))
     for key in ("unet_memory_mib", "unet_memory_recompute_mib"):
         console.print(f"{key} per process: " + ", ".join(f"{k} {v:.0f}" for k, v in res[key].items()))
 

@@ -16,9 +16,12 @@ distributed-autograd context, driven by its own thread on the master: its loss a
 micro-batches are still in the forward pass (1F1B-style overlap of forward and
 backward across stages; all M forwards are issued at once, so activation memory is
 that of GPipe: measured, capping in-flight micro-batches at S as 1F1B does left stage
-0 idle on the round trip and cost 10-15% step time on the 2-stage MLP). Each context's
-backward is an independent graph task on every stage, so gradients flow upstream one
-micro-batch at a time. Within one shared context the autograd engine orders nodes by
+0 idle on the round trip and cost 10-15% step time on the 2-stage MLP; holding stage k's
+forward of micro-batch i until its backward of i - (S - k) has passed, a strict 1F1B order
+on every stage, was slower still, as the last stage then alternates forward and backward
+and every latency between them lies on the critical path: 157-187 ms against 133-146 ms
+per step at M = 4). Each context's backward is an independent graph task on every
+stage, so gradients flow upstream one micro-batch at a time. Within one shared context the autograd engine orders nodes by
 per-thread sequence numbers and runs the nodes that received activations over RPC
 last, so every stage finished all M backward passes before sending any gradient
 upstream, and the drain ran serially (2-stage MLP, M = 4: backward 141 ms in one
