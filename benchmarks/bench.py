@@ -240,6 +240,7 @@ def main(out):
     res["rpcmp_mlp"] = {m: statistics.median(r[0][m] for r in rounds) for m in rounds[0][0]}
     res["pipelining_mlp"] = {k: statistics.median(r[1][k] for r in rounds) for k in rounds[0][1]}
     res["mlp_m4_ratio_per_round"] = [r[0][4] / min(r[1]["gpipe_m4"], r[1]["1f1b_m4"]) for r in rounds]
+    res["mlp_rounds"] = [{"rpcmp": ours, "pipelining": peer} for ours, peer in rounds]
     res["rpcmp_mlp_shm"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                         overrides={"transport": "shm"})
     res["rpcmp_mlp_gpipe"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,

@@ -126,9 +126,8 @@ class Pipeline:
         parts = scatter(x, chunks or self.microbatches)
         first = self.places[0].process
         seqs = self._next_seqs(len(parts))
-        futs = [_stage._send(self.pid, s, first, p, grad) for s, p in zip(seqs, parts)]
         try:
-            outs = _wait_all(futs)
+            outs = _wait_all([_stage._send(self.pid, s, first, p, grad) for s, p in zip(seqs, parts)])
         except Exception:
             _stage._abandon(self.pid, seqs)
             self._resync()
