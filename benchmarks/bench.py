@@ -203,6 +203,24 @@ def _hand_rpc(rank, port, queue):
     rpc.shutdown()
 
 
+# -- the same hops without rpcmp: nested async RPCs and distributed autograd, nothing else --
+def _bare_hops(rank, port, queue, transport):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
+    opts = rpc.TensorPipeRpcBackendOptions(_transports=[transport], _channels=["basic"])
+    rpc.init_rpc("master" if rank == 0 else f"worker{rank}", rank=rank, world_size=4, rpc_backend_options=opts)
+    if rank == 0:
+        x = torch.ones(1, 4, requires_grad=True)
+
+        def step():
+            with dist_autograd.context() as ctx:
+                bm.CHAIN["out"] = torch.futures.Future()
+                rpc.rpc_async("worker1", bm.chain_forward, args=(1, 3, x))
+                dist_autograd.backward(ctx, [bm.CHAIN["out"].wait().sum()])
+        queue.put(median_time(step, warmup=20, steps=200) / 4)
+    rpc.shutdown()
+
+
 def spawn(target, nprocs, *args):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -261,6 +279,7 @@ def main(out):
     res["hop_s"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False)
     res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
                                     overrides={"transport": "shm"})
+    res["bare_hop_s"] = {t: spawn(_bare_hops, 4, t) for t in ("uv", "shm")}
     console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD")
     res["unet_memory_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
     res["unet_memory_recompute_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory,
@@ -297,8 +316,10 @@ def report(console, res):
     ours, hand = res["rpcmp_unet"], res["hand_rpc_unet"]
     table.add_row("split Unet M=4 vs hand-written RemoteModule RPC", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
                   f"{ours / hand:.2f} (throughput x{hand / ours:.2f})")
-    table.add_row("overhead per hop, forward + backward (uv; shm)", f"{res['hop_s'] * 1e3:.3f} ms",
-                  f"{res['hop_s_shm'] * 1e3:.3f} ms", "")
+    for t, key in (("uv", "hop_s"), ("shm", "hop_s_shm")):
+        table.add_row(f"overhead per hop, forward + backward ({t}) vs bare nested RPC + dist autograd",
+                      f"{res[key] * 1e3:.3f} ms", f"{res['bare_hop_s'][t] * 1e3:.3f} ms",
+                      f"{res[key] / res['bare_hop_s'][t]:.2f}")
     table.add_row("split Unet M=4, recompute vs not", f"{res['rpcmp_unet_recompute'] * 1e3:.0f} ms",
                   f"{res['rpcmp_unet'] * 1e3:.0f} ms", f"{res['rpcmp_unet_recompute'] / res['rpcmp_unet']:.2f}")
     one = res["one_process_unet_memory_mib"]

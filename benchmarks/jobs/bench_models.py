@@ -1,6 +1,7 @@
 """Job files for the benchmarks: each process of a run imports one of these."""
 import segmentation_models_pytorch as smp
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
 
 
@@ -37,3 +38,20 @@ class Part(nn.Module):
 
 
 SGD = (torch.optim.SGD, {"lr": 0.01})
+
+
+# A chain of identity hops without rpcmp, for the per-hop floor: master -> worker1 -> ... ->
+# workerN -> master with nested async RPCs, as rpcmp's stages forward to each other.
+CHAIN = {}
+
+
+@rpc.functions.async_execution
+def chain_forward(k: int, last: int, x: torch.Tensor) -> torch.futures.Future:
+    y = x * 1.0
+    if k < last:
+        return rpc.rpc_async(f"worker{k + 1}", chain_forward, args=(k + 1, last, y))
+    return rpc.rpc_async("master", chain_deliver, args=(y,))
+
+
+def chain_deliver(y: torch.Tensor) -> None:
+    CHAIN["out"].set_result(y)
