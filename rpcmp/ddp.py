@@ -23,9 +23,11 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .errors import JobError
 from .microbatch import batch_size, to_device
-from .trainer import _DEVICE, data_loader, step_groups
+from .trainer import data_loader, step_groups
 
-__all__ = ["DDPEngine", "init_ddp"]
+__all__ = ["DDPEngine", "init_ddp", "join", "leave"]
+
+_RANK: dict = {}  # this process's device and heartbeats while it is a DDP rank (see join)
 
 
 def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.device:
@@ -44,6 +46,25 @@ def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.devic
     return device
 
 
+def join(rank: int, world_size: int, hang_timeout: float = 0) -> None:
+    """Make this process DDP rank ``rank``: process group, device, heartbeats to its peers."""
+    from .health import Heartbeats
+    _RANK["device"] = init_ddp(rank, world_size, hang_timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=30))
+    beats = _RANK["heartbeats"] = Heartbeats(rank, world_size, hang_timeout, store)
+    beats._beat()
+    beats.start()
+
+
+def leave() -> None:
+    beats = _RANK.pop("heartbeats", None)
+    if beats is not None:
+        beats.stop()
+    _RANK.clear()
+    dist.destroy_process_group()
+
+
 class DDPEngine:
     """What the trainer drives in DDP mode (pipeline mode drives a :class:`~rpcmp.Pipeline`)."""
 
@@ -51,7 +72,7 @@ class DDPEngine:
 
     def __init__(self, job, device: torch.device | None = None):
         self.job, self.rank, self.world = job, dist.get_rank(), dist.get_world_size()
-        self.device = device or torch.device("cpu")
+        self.device = device or _RANK.get("device") or torch.device("cpu")
         if job.batch_size % self.world:
             raise JobError(f"DDP mode splits Job.batch_size ({job.batch_size}) over {self.world} ranks: "
                            f"make batch_size a multiple of {self.world}")
@@ -195,7 +216,7 @@ class DDPEngine:
                 f"{self.local_batch} samples per rank, accumulate {self.job.accumulate}, {self.job.precision}")
 
     def explain(self, exc: BaseException) -> BaseException:
-        beats = _DEVICE.get("heartbeats")
+        beats = _RANK.get("heartbeats")
         return beats.explain(exc) if beats is not None else exc
 
     def barrier(self) -> None:

@@ -17,11 +17,9 @@ import threading
 import time
 import traceback
 import warnings
-from datetime import timedelta
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from . import stage as _stage
@@ -149,20 +147,12 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
 
 def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
     """DDP mode: no RPC; every rank runs ``main`` (the trainer) in one process group."""
-    from .ddp import init_ddp
-    from .health import Heartbeats
-    from .trainer import _DEVICE
-    _DEVICE["ddp"] = init_ddp(rank, world_size, job.hang_timeout)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=30))
-    beats = _DEVICE["heartbeats"] = Heartbeats(rank, world_size, job.hang_timeout, store)
-    beats._beat()
-    beats.start()
+    from .ddp import join, leave
+    join(rank, world_size, job.hang_timeout)
     try:
         result = main(job, world_size) if main is not None else None
     finally:
-        beats.stop()
-        dist.destroy_process_group()
+        leave()
     return result if rank == 0 else None
 
 

@@ -151,12 +151,9 @@ class MetricsLog:
 def make_engine(job, world_size: int, train_set=None):
     if job.mode == "ddp":
         from .ddp import DDPEngine
-        return DDPEngine(job, _DEVICE.get("ddp"))
+        return DDPEngine(job)
     sample = sample_batch(job) if _needs_sample(job) else None
     return PipelineEngine(Pipeline(job, world_size, sample=sample), job)
-
-
-_DEVICE: dict = {}  # set by the runtime in DDP mode
 
 
 class PipelineEngine:
