@@ -91,7 +91,7 @@ def _rpcmp_hops(job, world):
 
 def _rpcmp_unet_memory(job, world):
     x, y = unet_data(*MEMORY_BATCH)
-    pipe = rpcmp.Pipeline(job, world, microbatches=4)
+    pipe = rpcmp.Pipeline(job, world)
     for _ in range(2):
         pipe.train_step(x, y)
     procs = [f"worker{r}" for r in range(1, world)]
@@ -263,6 +263,8 @@ def main(out):
                                         overrides={"transport": "shm"})
     res["rpcmp_mlp_gpipe"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                           overrides={"schedule": "gpipe"})
+    res["rpcmp_mlp_1f1b"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
+                                         overrides={"schedule": "1f1b"})
     res["one_process_mlp"] = {t: one_process("mlp", t) for t in (1, 2)}
     console.print("[bold]DDP mode: the same MLP, 2 ranks x 128 samples, gloo, 1 thread each")
     res["rpcmp_ddp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_ddp, master_in_process=False,
@@ -280,10 +282,15 @@ def main(out):
     res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
                                     overrides={"transport": "shm"})
     res["bare_hop_s"] = {t: spawn(_bare_hops, 4, t) for t in ("uv", "shm")}
-    console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD")
+    console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD "
+                  f"(M = 4; and M = 8, overlap vs 1f1b)")
     res["unet_memory_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
     res["unet_memory_recompute_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory,
                                                     master_in_process=False, overrides={"recompute": True})
+    for sched in ("overlap", "1f1b"):
+        res[f"unet_memory_m8_{sched}_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory,
+                                                          master_in_process=False,
+                                                          overrides={"microbatches": 8, "schedule": sched})
     res["one_process_unet_memory_mib"] = one_process("unet-memory", 1)
     report(console, res)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -304,7 +311,8 @@ def report(console, res):
         best = min(peers)
         table.add_row(f"MLP M={m} vs best of pipelining GPipe/1F1B", f"{ours * 1e3:.0f} ms", f"{best * 1e3:.0f} ms", f"{ours / best:.2f}")
         table.add_row(f"MLP M={m} vs one process (best of 1, 2 threads)", f"{ours * 1e3:.0f} ms", f"{one * 1e3:.0f} ms", f"{ours / one:.2f}")
-    for label, key in (("uv, gpipe schedule", "rpcmp_mlp_gpipe"), ("shm transport", "rpcmp_mlp_shm")):
+    for label, key in (("uv, gpipe schedule", "rpcmp_mlp_gpipe"), ("uv, 1f1b schedule", "rpcmp_mlp_1f1b"),
+                       ("shm transport", "rpcmp_mlp_shm")):
         ours = res[key][4]
         table.add_row(f"MLP M=4, {label} vs default (uv, overlap)", f"{ours * 1e3:.0f} ms",
                       f"{res['rpcmp_mlp'][4] * 1e3:.0f} ms", f"{ours / res['rpcmp_mlp'][4]:.2f}")
@@ -327,6 +335,9 @@ def report(console, res):
         largest = max(res[key].values())
         table.add_row(f"peak RSS, largest split-Unet process{label} vs one process", f"{largest:.0f} MiB",
                       f"{one:.0f} MiB", f"{largest / one:.2f}")
+    overlap, capped = (max(res[f"unet_memory_m8_{s}_mib"].values()) for s in ("overlap", "1f1b"))
+    table.add_row("peak RSS, largest split-Unet process, M=8: 1f1b vs overlap schedule", f"{capped:.0f} MiB",
+                  f"{overlap:.0f} MiB", f"{capped / overlap:.2f}")
     console.print(table)
     console.print(f"MLP M=4 medians over {len(res['mlp_m4_ratio_per_round'])} alternating launches; ratio per launch: "
                   + ", ".join(f"{r:.2f}" for r in res["mlp_m4_ratio_per_round"]))

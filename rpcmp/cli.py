@@ -37,7 +37,7 @@ def job_options(fn):
                      help="BatchNorm statistics of the whole batch (exact) or of each micro-batch (pipelined)."),
         click.option("--recompute", is_flag=True, default=None,
                      help="Activation checkpointing per stage: less memory, one more forward per micro-batch."),
-        click.option("--schedule", type=click.Choice(["overlap", "gpipe"]), help="Micro-batch schedule."),
+        click.option("--schedule", type=click.Choice(["overlap", "1f1b", "gpipe"]), help="Micro-batch schedule."),
         click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
                      help="Pipeline mode: write a Chrome-trace timeline of steps 2-4 here."),
         click.option("--metrics", "metrics_file", type=click.Path(dir_okay=False), help="Write JSON-lines metrics here."),

@@ -55,7 +55,8 @@ class Job:
     recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/stage.py)
     batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/pipeline.py)
     sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
-    schedule: str = "overlap"  # "overlap": each micro-batch's backward starts when its forward ends; "gpipe"
+    schedule: str = "overlap"  # "overlap": each micro-batch's backward starts when its forward ends; "1f1b": that,
+    # with at most S micro-batches in flight (activation memory of S, not M); "gpipe"
     epochs: int = 1
     max_steps: int | None = None
     seed: int = 0
@@ -90,8 +91,8 @@ class Job:
             raise JobError(f"Job.keep_last must be a positive integer, got {self.keep_last!r}")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
-        if self.schedule not in ("overlap", "gpipe"):
-            raise JobError(f"Job.schedule must be 'overlap' or 'gpipe', got {self.schedule!r}")
+        if self.schedule not in ("overlap", "1f1b", "gpipe"):
+            raise JobError(f"Job.schedule must be 'overlap', '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.mode not in ("pipeline", "ddp"):
             raise JobError(f"Job.mode must be 'pipeline' or 'ddp', got {self.mode!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):

@@ -14,14 +14,17 @@ With ``schedule="overlap"`` (the default) every micro-batch gets its own
 distributed-autograd context, driven by its own thread on the master: its loss and
 ``dist_autograd.backward`` start the moment its output arrives, while later
 micro-batches are still in the forward pass (1F1B-style overlap of forward and
-backward across stages; all M forwards are issued at once, so activation memory is
-that of GPipe: measured, capping in-flight micro-batches at S as 1F1B does left stage
-0 idle on the round trip and cost 10-15% step time on the 2-stage MLP; holding stage k's
-forward of micro-batch i until its backward of i - (S - k) has passed, a strict 1F1B order
-on every stage, was slower still, as the last stage then alternates forward and backward
-and every latency between them lies on the critical path: 157-187 ms against 133-146 ms
-per step at M = 4). Each context's backward is an independent graph task on every
-stage, so gradients flow upstream one micro-batch at a time. Within one shared context the autograd engine orders nodes by
+backward across stages). All M forwards are issued at once, so activation memory is
+that of GPipe. ``schedule="1f1b"`` bounds it as 1F1B does: micro-batch i enters the
+pipeline only when micro-batch i - S has left every stage (its backward and gradient
+merge are done), so at most S micro-batches hold activations on any stage (split Unet,
+batch 16 of 256x256, M = 8: largest process 1719 -> 1445 MiB, step 5.21 -> 5.41 s; M = 16:
+1563 -> 1324 MiB, 5.47 -> 5.63 s). Holding instead stage k's forward of micro-batch i
+until its own backward of i - (S - k) has passed, a strict 1F1B order on every stage,
+was slower: the last stage then alternates forward and backward and every latency
+between them lies on the critical path (2-stage MLP, M = 4: 157-187 ms against 133-146
+ms per step). Each context's backward is an independent graph task on every stage, so
+gradients flow upstream one micro-batch at a time. Within one shared context the autograd engine orders nodes by
 per-thread sequence numbers and runs the nodes that received activations over RPC
 last, so every stage finished all M backward passes before sending any gradient
 upstream, and the drain ran serially (2-stage MLP, M = 4: backward 141 ms in one
@@ -69,7 +72,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 from . import health
 from . import stage as _stage
-from .errors import NonFiniteLossError, StageError
+from .errors import JobError, NonFiniteLossError, StageError
 from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
 from .partition import StageSpec, plan_stages
 from .placement import MASTER, Place, resolve_placement
@@ -87,8 +90,12 @@ class Pipeline:
                  optimizer: tuple | None = None, schedule: str | None = None, sample: Any = None):
         self.job = job
         self.microbatches = microbatches or job.microbatches
+        self.schedule = schedule or job.schedule
+        if self.schedule not in ("overlap", "1f1b", "gpipe"):
+            raise JobError(f"schedule must be 'overlap', '1f1b' or 'gpipe', got {self.schedule!r}")
         self.specs: list[StageSpec] = plan_stages(job, sample)
         self.places: list[Place] = resolve_placement(job.placement, len(self.specs), world_size)
+        self._owners = [p.process for p in self.places]
         self.pid = next(_PIPELINE_IDS)
         self._seq = 0
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
@@ -106,7 +113,6 @@ class Pipeline:
         cls, kwargs = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
-        self.schedule = schedule or job.schedule
         self.skipped_steps = 0
         # fp16: the loss is scaled before backward; a step whose gradients overflow on any stage is
         # skipped and the scale halved; it doubles after GROWTH good steps (as torch.amp.GradScaler).
@@ -127,7 +133,7 @@ class Pipeline:
         first = self.places[0].process
         seqs = self._next_seqs(len(parts))
         try:
-            outs = _wait_all([_stage._send(self.pid, s, first, p, grad) for s, p in zip(seqs, parts)])
+            outs = _wait_all([_stage._send(self.pid, s, first, p, grad, self._owners) for s, p in zip(seqs, parts)])
         except Exception:
             _stage._abandon(self.pid, seqs)
             self._resync()
@@ -170,11 +176,16 @@ class Pipeline:
         backward_done, stepped = threading.Barrier(m + 1), threading.Event()
         merged = [threading.Event() for _ in range(m)]
 
+        cap = len(self.specs) if self.schedule == "1f1b" else m  # micro-batches in flight
+
         def micro(i: int) -> None:
             try:
+                if i >= cap:  # 1f1b: micro-batch i starts when i - S has left every stage
+                    merged[i - cap].wait()
                 with dist_autograd.context() as ctx:
                     ctx_ids[i] = ctx
-                    out = self._fp32(_stage._send(self.pid, seqs[i], self.places[0].process, xs[i], True).wait())
+                    out = self._fp32(_stage._send(self.pid, seqs[i], self.places[0].process, xs[i], True,
+                                                  self._owners).wait())
                     loss = self.job.loss(out, ys[i]) * (batch_size(xs[i]) / n)
                     dist_autograd.backward(ctx, [self._scaled(loss)])
                     losses[i] = loss.detach()

@@ -83,6 +83,7 @@ class _StageHost:
     recompute: bool = False  # see [Note: recompute]
     lock: threading.RLock = field(default_factory=threading.RLock)  # forward vs recomputation
     next_seq: int = 0
+    skipped: set = field(default_factory=set)  # seqs that failed upstream and will never come
     compute_s: float = 0.0
     runs: int = 0
     bytes_in: int = 0  # activations received (their gradients go back the same size)
@@ -113,7 +114,21 @@ class _StageHost:
         finally:
             with self.turn:
                 self.next_seq = max(self.next_seq, seq + 1)
+                self._pass_skipped()
                 self.turn.notify_all()
+
+    def skip(self, seq: int) -> None:
+        """Micro-batch ``seq`` failed before reaching this stage: later ones must not wait for it."""
+        with self.turn:
+            if seq >= self.next_seq:
+                self.skipped.add(seq)
+                self._pass_skipped()
+                self.turn.notify_all()
+
+    def _pass_skipped(self) -> None:
+        while self.next_seq in self.skipped:
+            self.skipped.discard(self.next_seq)
+            self.next_seq += 1
 
     def _precision(self):
         if self.autocast is None:
@@ -214,14 +229,16 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
 
 
-def _send(pid: int, seq: int, first: str, x: Any, grad: bool) -> torch.futures.Future:
+def _send(pid: int, seq: int, first: str, x: Any, grad: bool, stages: list[str]) -> torch.futures.Future:
     """On the master: start micro-batch ``seq`` at the first stage's owner ``first``.
 
     The returned future completes with the last stage's output the moment :func:`_deliver`
     brings it, or with the first error of the chain. Each ``_forward`` answers its caller
     only when the rest of the chain has answered it (that is how an error travels back), so
     waiting for the chain's own future would add a one-way trip per stage after the output
-    has arrived; see [Note: why activations skip the master].
+    has arrived; see [Note: why activations skip the master]. If the chain fails, every
+    stage (owners in ``stages``, in order) is told to skip ``seq``, so that the stages after
+    the failure do not wait for it with later micro-batches.
     """
     out = torch.futures.Future()
     with _INBOX_LOCK:
@@ -231,6 +248,8 @@ def _send(pid: int, seq: int, first: str, x: Any, grad: bool) -> torch.futures.F
         try:
             chain.wait()
         except Exception as exc:  # noqa: BLE001 - handed to the waiting master
+            for index, owner in enumerate(stages):
+                rpc.rpc_async(owner, _skip, args=(pid, index, seq))
             _settle(pid, seq, exc)
     rpc.rpc_async(first, _forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
     return out
@@ -317,7 +336,14 @@ def _resync(pid: int, index: int, next_seq: int) -> None:
     host = _HOSTS[(pid, index)]
     with host.turn:
         host.next_seq = next_seq
+        host.skipped.clear()
         host.turn.notify_all()
+
+
+def _skip(pid: int, index: int, seq: int) -> None:
+    host = _HOSTS.get((pid, index))
+    if host is not None:
+        host.skip(seq)
 
 
 def _state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:

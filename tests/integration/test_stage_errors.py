@@ -31,3 +31,29 @@ def test_model_factory_that_raises_reaches_the_master_with_its_traceback():
     text = str(info.value)
     assert "building stage 1 (broken_decoder) on worker2/cpu failed" in text
     assert "decoder factory exploded" in text and "Traceback" in text
+
+
+def _fail_mid_step(job, world_size):
+    out = {}
+    x = torch.randn(8, 4)
+    bad = x.clone()
+    bad[2:4] = 1e5  # micro-batch 1 of 4
+    for sched in ("overlap", "1f1b", "gpipe"):
+        pipe = rpcmp.Pipeline(job, world_size, schedule=sched)
+        try:
+            pipe.train_step(bad, None)
+            out[sched] = ("no error", None)
+        except rpcmp.StageError as exc:
+            out[sched] = (str(exc), pipe.train_step(x, None).item())  # the next step runs
+        pipe.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_micro_batch_failing_mid_step_is_reported_and_the_next_step_runs():
+    # Stage 2 must not wait for micro-batch 1, which died at stage 1, before running 2 and 3: that
+    # wait would end only at the RPC timeout (60 s per schedule, beyond this run's 100 s).
+    for sched, (msg, next_loss) in run_ranks("picky", 4, _fail_mid_step, timeout=100).items():
+        assert "stage 1 (Picky) on worker2/cpu failed on micro-batch" in msg, (sched, msg)
+        assert "this micro-batch is out of range" in msg, (sched, msg)
+        assert next_loss is not None and next_loss == next_loss, sched

@@ -50,3 +50,31 @@ def test_trace_has_every_slice_and_a_consistent_bubble(tmp_path):
         assert 0 <= reported < 1
     m = re.search(r"bubble ([\d.]+) measured, ([\d.]+) ideal", proc.stdout)
     assert m and float(m.group(1)) == pytest.approx(summary["bubble"], abs=1e-3)
+
+
+def _run_traced(tmp_path, schedule):
+    path = tmp_path / f"{schedule}.json"
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rpcmp"), "run", job_path("mlp"), "--local", "3",
+                           "--max-steps", "5", "--microbatches", "4", "--schedule", schedule, "--trace", str(path)],
+                          capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+
+
+def _early_starts(slices, stages=2, microbatches=4):
+    """Forwards on stage 0 that started before micro-batch i - S's backward had left it."""
+    early = []
+    for step in {e["args"]["step"] for e in slices}:
+        first = {(e["name"][0], e["args"]["micro_batch"]): e for e in slices
+                 if e["args"]["step"] == step and e["tid"] == 0}
+        for i in range(stages, microbatches):
+            if first[("F", i)]["ts"] < first[("B", i - stages)]["ts"] + first[("B", i - stages)]["dur"]:
+                early.append((step, i))
+    return early
+
+
+@pytest.mark.timeout(300)
+def test_1f1b_schedule_keeps_at_most_s_micro_batches_in_flight(tmp_path):
+    # overlap issues every forward at once: stage 0 runs F2 and F3 long before B0 and B1 come back
+    assert _early_starts(_run_traced(tmp_path, "overlap"))
+    assert _early_starts(_run_traced(tmp_path, "1f1b")) == []

@@ -18,6 +18,7 @@ STEPS = 3
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.01})}
 SPLITS = {2: [3, 4], 3: [2, 3, 2]}
 CASES = [(m, opt, sched) for m in (1, 2, 4) for opt in OPTIMIZERS for sched in ("overlap", "gpipe")]
+CASES += [(4, opt, "1f1b") for opt in OPTIMIZERS]  # M > S: micro-batch i waits for i - S
 
 
 def _train_all(job, world_size):
