@@ -55,8 +55,9 @@ class Job:
     recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/stage.py)
     batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/pipeline.py)
     sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
-    schedule: str = "overlap"  # "overlap": each micro-batch's backward starts when its forward ends; "1f1b": that,
-    # with at most S micro-batches in flight (activation memory of S, not M); "gpipe"
+    # "overlap": each micro-batch's backward starts when its forward ends; "1f1b": that, with at most S
+    # micro-batches in flight (activation memory of S, not M); "gpipe": one context per step (rpcmp/pipeline.py)
+    schedule: str = "overlap"
     epochs: int = 1
     max_steps: int | None = None
     seed: int = 0

@@ -13,30 +13,30 @@ See [Note: why activations skip the master] in :mod:`rpcmp.stage`.
 With ``schedule="overlap"`` (the default) every micro-batch gets its own
 distributed-autograd context, driven by its own thread on the master: its loss and
 ``dist_autograd.backward`` start the moment its output arrives, while later
-micro-batches are still in the forward pass (1F1B-style overlap of forward and
-backward across stages). All M forwards are issued at once, so activation memory is
-that of GPipe. ``schedule="1f1b"`` bounds it as 1F1B does: micro-batch i enters the
-pipeline only when micro-batch i - S has left every stage (its backward and gradient
-merge are done), so at most S micro-batches hold activations on any stage (split Unet,
-batch 16 of 256x256, M = 8: largest process 1719 -> 1445 MiB, step 5.21 -> 5.41 s; M = 16:
+micro-batches are still in the forward pass (1F1B-style overlap of forward and backward
+across stages). All M forwards are issued at once, so activation memory is that of
+GPipe. ``schedule="1f1b"`` bounds it as 1F1B does: micro-batch i enters the pipeline
+only when micro-batch i - S has left every stage (its backward and gradient merge are
+done), so at most S micro-batches hold activations on any stage (split Unet, batch 16 of
+256x256, M = 8: largest process 1719 -> 1445 MiB, step 5.21 -> 5.41 s; M = 16:
 1563 -> 1324 MiB, 5.47 -> 5.63 s). Holding instead stage k's forward of micro-batch i
 until its own backward of i - (S - k) has passed, a strict 1F1B order on every stage,
 was slower: the last stage then alternates forward and backward and every latency
 between them lies on the critical path (2-stage MLP, M = 4: 157-187 ms against 133-146
 ms per step). Each context's backward is an independent graph task on every stage, so
-gradients flow upstream one micro-batch at a time. Within one shared context the autograd engine orders nodes by
-per-thread sequence numbers and runs the nodes that received activations over RPC
-last, so every stage finished all M backward passes before sending any gradient
-upstream, and the drain ran serially (2-stage MLP, M = 4: backward 141 ms in one
-context, step 193 ms with one context per micro-batch vs 236 ms).
-As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums
-always add up in the same order), each owner adds its gradients into the first
-context's (:func:`rpcmp.stage._merge_grads`) and the context is released: an owner
-holds two copies of its gradients at a time, not M (measured on the split Unet, batch
-16 of 256x256, M = 4, recompute: the encoder process's peak RSS fell from 1697 to
-1521 MiB), and the merges overlap the remaining backward passes. The
-DistributedOptimizer steps with the first context. The loss of micro-batch i is
-weighted by its share of the batch, which is exact for losses that are means over samples. ``schedule="gpipe"`` keeps one
+gradients flow upstream one micro-batch at a time. Within one shared context the
+autograd engine orders nodes by per-thread sequence numbers and runs the nodes that
+received activations over RPC last, so every stage finished all M backward passes before
+sending any gradient upstream, and the drain ran serially (2-stage MLP, M = 4: backward
+141 ms in one context, step 193 ms with one context per micro-batch vs 236 ms).
+As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums always
+add up in the same order), each owner adds its gradients into the first context's
+(:func:`rpcmp.stage._merge_grads`) and the context is released: an owner holds two
+copies of its gradients at a time, not M (measured on the split Unet, batch 16 of
+256x256, M = 4, recompute: the encoder process's peak RSS fell from 1697 to 1521 MiB),
+and the merges overlap the remaining backward passes. The DistributedOptimizer steps
+with the first context. The loss of micro-batch i is weighted by its share of the batch,
+which is exact for losses that are means over samples. ``schedule="gpipe"`` keeps one
 context per step and computes the loss once on the gathered output: exact for any loss
 (a batch-level Dice, say), with less overlap.
 

@@ -229,7 +229,7 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
 
 
-def _send(pid: int, seq: int, first: str, x: Any, grad: bool, stages: list[str]) -> torch.futures.Future:
+def _send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) -> torch.futures.Future:
     """On the master: start micro-batch ``seq`` at the first stage's owner ``first``.
 
     The returned future completes with the last stage's output the moment :func:`_deliver`
@@ -237,7 +237,7 @@ def _send(pid: int, seq: int, first: str, x: Any, grad: bool, stages: list[str])
     only when the rest of the chain has answered it (that is how an error travels back), so
     waiting for the chain's own future would add a one-way trip per stage after the output
     has arrived; see [Note: why activations skip the master]. If the chain fails, every
-    stage (owners in ``stages``, in order) is told to skip ``seq``, so that the stages after
+    stage (``owners[k]`` holds stage k) is told to skip ``seq``, so that the stages after
     the failure do not wait for it with later micro-batches.
     """
     out = torch.futures.Future()
@@ -248,9 +248,12 @@ def _send(pid: int, seq: int, first: str, x: Any, grad: bool, stages: list[str])
         try:
             chain.wait()
         except Exception as exc:  # noqa: BLE001 - handed to the waiting master
-            for index, owner in enumerate(stages):
-                rpc.rpc_async(owner, _skip, args=(pid, index, seq))
             _settle(pid, seq, exc)
+            for index, owner in enumerate(owners):
+                try:
+                    rpc.rpc_async(owner, _skip, args=(pid, index, seq))
+                except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
+                    pass
     rpc.rpc_async(first, _forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
     return out
 
