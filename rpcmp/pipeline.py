@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -160,7 +161,7 @@ class Pipeline:
         with dist_autograd.context() as ctx:
             out = self.forward(x, grad=True, chunks=chunks)
             loss = self.job.loss(out, y)
-            dist_autograd.backward(ctx, [self._scaled(loss)])
+            self._backward(ctx, loss)
             if self.optimizer is not None and self._finite(loss) and self._unscale_and_clip(ctx):
                 self.optimizer.step(ctx)
                 self._schedule_lr()
@@ -187,7 +188,7 @@ class Pipeline:
                     out = self._fp32(_stage._send(self.pid, seqs[i], self.places[0].process, xs[i], True,
                                                   self._owners).wait())
                     loss = self.job.loss(out, ys[i]) * (batch_size(xs[i]) / n)
-                    dist_autograd.backward(ctx, [self._scaled(loss)])
+                    self._backward(ctx, loss)
                     losses[i] = loss.detach()
                     if i > 0:  # add this context's gradients into the first's, in order, and free them
                         merged[i - 1].wait()
@@ -229,6 +230,20 @@ class Pipeline:
             self._resync()
             raise _unwrap(errors[0])
         return torch.stack(losses).sum()
+
+    def _backward(self, ctx: int, loss: torch.Tensor) -> None:
+        """``dist_autograd.backward``, with a failure on another process named by its stages."""
+        try:
+            dist_autograd.backward(ctx, [self._scaled(loss)])
+        except RuntimeError as exc:
+            found = re.match(r"Error on Node (\d+): (.*)", str(exc), re.S)
+            if found is None:
+                raise
+            names = {rpc.get_worker_info(o).id: o for o in set(self._owners)}
+            owner = names.get(int(found.group(1)), f"rank {found.group(1)}")
+            held = ", ".join(f"stage {s.index} ({s.name})" for s, p in zip(self.specs, self.places)
+                             if p.process == owner)
+            raise StageError(f"the backward pass failed on {owner} ({held or 'no stage'}): {found.group(2)}") from None
 
     @property
     def batch_chunks(self) -> int:

@@ -57,3 +57,26 @@ def test_a_micro_batch_failing_mid_step_is_reported_and_the_next_step_runs():
         assert "stage 1 (Picky) on worker2/cpu failed on micro-batch" in msg, (sched, msg)
         assert "this micro-batch is out of range" in msg, (sched, msg)
         assert next_loss is not None and next_loss == next_loss, sched
+
+
+def _fail_in_backward(job, world_size):
+    out = {}
+    for sched in ("overlap", "1f1b", "gpipe"):
+        pipe = rpcmp.Pipeline(job, world_size, schedule=sched)
+        try:
+            pipe.train_step(torch.randn(8, 4), None)
+            out[sched] = "no error"
+        except rpcmp.StageError as exc:
+            out[sched] = str(exc)
+        out[sched + " then predict"] = tuple(pipe.predict(torch.randn(8, 4)).shape)
+        pipe.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_stage_failing_in_backward_is_named():
+    out = run_ranks("fragile", 4, _fail_in_backward, timeout=100)
+    for sched in ("overlap", "1f1b", "gpipe"):
+        assert out[sched].startswith("the backward pass failed on worker2 (stage 1 (Fragile)): "), out[sched]
+        assert "backward exploded" in out[sched]
+        assert out[sched + " then predict"] == (8, 4)
