@@ -21,6 +21,7 @@ from .partition import Split, declaration_kind
 __all__ = ["Job", "load_job"]
 
 _TRANSPORTS = ("uv", "shm")
+SCHEDULES = ("overlap", "1f1b", "gpipe")  # see [Note: one context per micro-batch] in rpcmp/pipeline.py
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Job:
             raise JobError(f"Job.keep_last must be a positive integer, got {self.keep_last!r}")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
-        if self.schedule not in ("overlap", "1f1b", "gpipe"):
+        if self.schedule not in SCHEDULES:
             raise JobError(f"Job.schedule must be 'overlap', '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.mode not in ("pipeline", "ddp"):
             raise JobError(f"Job.mode must be 'pipeline' or 'ddp', got {self.mode!r}")

@@ -74,6 +74,7 @@ from torch.distributed.optim import DistributedOptimizer
 from . import health
 from . import stage as _stage
 from .errors import JobError, NonFiniteLossError, StageError
+from .job import SCHEDULES
 from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
 from .partition import StageSpec, plan_stages
 from .placement import MASTER, Place, resolve_placement
@@ -92,7 +93,7 @@ class Pipeline:
         self.job = job
         self.microbatches = microbatches or job.microbatches
         self.schedule = schedule or job.schedule
-        if self.schedule not in ("overlap", "1f1b", "gpipe"):
+        if self.schedule not in SCHEDULES:
             raise JobError(f"schedule must be 'overlap', '1f1b' or 'gpipe', got {self.schedule!r}")
         self.specs: list[StageSpec] = plan_stages(job, sample)
         self.places: list[Place] = resolve_placement(job.placement, len(self.specs), world_size)
