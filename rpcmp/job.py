@@ -94,7 +94,7 @@ class Job:
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
             raise JobError(f"Job.max_steps must be None or a positive integer, got {self.max_steps!r}")
         if self.schedule not in SCHEDULES:
-            raise JobError(f"Job.schedule must be 'overlap', '1f1b' or 'gpipe', got {self.schedule!r}")
+            raise JobError(f"Job.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.mode not in ("pipeline", "ddp"):
             raise JobError(f"Job.mode must be 'pipeline' or 'ddp', got {self.mode!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):

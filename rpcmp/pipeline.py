@@ -94,7 +94,7 @@ class Pipeline:
         self.microbatches = microbatches or job.microbatches
         self.schedule = schedule or job.schedule
         if self.schedule not in SCHEDULES:
-            raise JobError(f"schedule must be 'overlap', '1f1b' or 'gpipe', got {self.schedule!r}")
+            raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         self.specs: list[StageSpec] = plan_stages(job, sample)
         self.places: list[Place] = resolve_placement(job.placement, len(self.specs), world_size)
         self._owners = [p.process for p in self.places]
@@ -109,9 +109,7 @@ class Pipeline:
         self.param_rrefs = [r for refs, _ in built for r in refs]
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn in built)
-        health.status["stages"] = {}
-        for spec, place in zip(self.specs, self.places):
-            health.status["stages"].setdefault(place.process, []).append(f"stage {spec.index} {spec.name}")
+        health.status["stages"] = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
         cls, kwargs = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
@@ -242,8 +240,7 @@ class Pipeline:
                 raise
             names = {rpc.get_worker_info(o).id: o for o in set(self._owners)}
             owner = names.get(int(found.group(1)), f"rank {found.group(1)}")
-            held = ", ".join(f"stage {s.index} ({s.name})" for s, p in zip(self.specs, self.places)
-                             if p.process == owner)
+            held = ", ".join(f"stage {s.index} ({s.name})" for s in self._held().get(owner, []))
             raise StageError(f"the backward pass failed on {owner} ({held or 'no stage'}): {found.group(2)}") from None
 
     @property
@@ -374,13 +371,17 @@ class Pipeline:
         return True
 
     def _stage_map(self) -> dict[str, list[str]]:
-        held: dict[str, list[str]] = {}
-        for spec, place in zip(self.specs, self.places):
-            held.setdefault(place.process, []).append(f"{spec.index}:{spec.name}")
+        return {o: [f"{s.index}:{s.name}" for s in held] for o, held in self._held().items()}
+
+    def _held(self) -> dict[str, list[StageSpec]]:
+        """The stages each process owns, in order."""
+        held: dict[str, list[StageSpec]] = {}
+        for spec, owner in zip(self.specs, self._owners):
+            held.setdefault(owner, []).append(spec)
         return held
 
     def _rng_owners(self) -> list[str]:
-        return sorted({p.process for p in self.places} | {MASTER})
+        return sorted(set(self._owners) | {MASTER})
 
     @property
     def _remote_optimizers(self) -> list:
@@ -398,7 +399,7 @@ class Pipeline:
 
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""
-        owners = {p.process for p in self.places}
+        owners = set(self._owners)
         _wait_all([rpc.rpc_async(o, _stage._release, args=(self.pid,)) for o in owners])
         self.optimizer = None
         self.param_rrefs = []

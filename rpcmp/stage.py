@@ -181,9 +181,6 @@ class _StageHost:
         return x
 
 
-
-
-
 def _whoami() -> str:
     return rpc.get_worker_info().name
 
