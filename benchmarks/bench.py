@@ -34,8 +34,8 @@ import bench_models as bm  # noqa: E402
 
 WARMUP, STEPS = 3, 9
 # Step times of the same configuration differ by 10-20% from one launch to the next on this
-# VM, more than the rpcmp / pipelining difference; that comparison alternates ROUNDS launches
-# of each and takes the median over them.
+# VM, more than the rpcmp / pipelining difference; those comparisons (MLP and split Unet)
+# alternate ROUNDS launches of each and take the median over them.
 ROUNDS = 3
 MEMORY_BATCH = (16, 256)  # samples, image side: model and activations, not the runtime, dominate
 
@@ -149,30 +149,41 @@ def _one_process(kind, threads, queue):
 
 
 # -- torch.distributed.pipelining -----------------------------------------------------
-def _pipelining(rank, port, queue):
+PIPELINING = {  # model: (processes, micro-batch counts)
+    "mlp": (2, (1, 4, 8)),
+    "unet": (3, (4,)),
+}
+
+
+def _pipelining(rank, port, queue, kind):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.manual_seed(0)
-    full = bm.mlp()
-    module = full[:8] if rank == 0 else full[8:]
-    x, y = mlp_data()
+    world, counts = PIPELINING[kind]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if kind == "mlp":
+        torch.manual_seed(0)
+        full = bm.mlp()
+        module, loss_fn, (x, y) = (full[:8] if rank == 0 else full[8:]), bm.mse, mlp_data()
+    else:  # the same three parts rpcmp's Unet job declares, with the same seeded weights
+        module = bm.UnetStage(["encoder", "decoder", "segmentation_head"][rank])
+        loss_fn, (x, y) = bm.bce, unet_data()
+    last = rank == world - 1
     out = {}
     for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        for m in (1, 4, 8):
-            if name == "1f1b" and m < 2:
+        for m in counts:
+            if name == "1f1b" and m < world:
                 continue  # 1F1B needs at least as many micro-batches as stages
-            stage = PipelineStage(module, rank, 2, torch.device("cpu"))
-            sched = cls(stage, n_microbatches=m, loss_fn=bm.mse)
+            stage = PipelineStage(module, rank, world, torch.device("cpu"))
+            sched = cls(stage, n_microbatches=m, loss_fn=loss_fn)
             opt = torch.optim.SGD(module.parameters(), lr=0.01)
 
             def step():
                 opt.zero_grad()
-                sched.step(x) if rank == 0 else sched.step(target=y)
+                sched.step(x) if rank == 0 else sched.step(target=y) if last else sched.step()
                 opt.step()
                 dist.barrier()
-            out[(name, m)] = median_time(step)
+            out[f"{name}_m{m}"] = median_time(step)
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
@@ -254,7 +265,7 @@ def main(out):
     rounds = []
     for _ in range(ROUNDS):
         ours = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
-        rounds.append((ours, {f"{k[0]}_m{k[1]}": v for k, v in spawn(_pipelining, 2).items()}))
+        rounds.append((ours, spawn(_pipelining, 2, "mlp")))
     res["rpcmp_mlp"] = {m: statistics.median(r[0][m] for r in rounds) for m in rounds[0][0]}
     res["pipelining_mlp"] = {k: statistics.median(r[1][k] for r in rounds) for k in rounds[0][1]}
     res["mlp_m4_ratio_per_round"] = [r[0][4] / min(r[1]["gpipe_m4"], r[1]["1f1b_m4"]) for r in rounds]
@@ -270,8 +281,14 @@ def main(out):
     res["rpcmp_ddp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_ddp, master_in_process=False,
                                         overrides={"mode": "ddp"})
     res["handwritten_ddp_mlp"] = spawn(_ddp_handwritten, 2)
-    console.print("[bold]split Unet (resnet34), batch 16 of 1x128x128, 3 stages on 3 processes, M = 4")
-    res["rpcmp_unet"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False)
+    console.print("[bold]split Unet (resnet34), batch 16 of 1x128x128, 3 stages on 3 processes, M = 4; "
+                  f"rpcmp and pipelining alternate, {ROUNDS} launches each")
+    rounds = [(launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False),
+               spawn(_pipelining, 3, "unet")) for _ in range(ROUNDS)]
+    res["rpcmp_unet"] = statistics.median(ours for ours, _ in rounds)
+    res["pipelining_unet"] = {k: statistics.median(peer[k] for _, peer in rounds) for k in rounds[0][1]}
+    res["unet_ratio_per_round"] = [ours / min(peer.values()) for ours, peer in rounds]
+    res["unet_rounds"] = [{"rpcmp": ours, "pipelining": peer} for ours, peer in rounds]
     res["rpcmp_unet_shm"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
                                          overrides={"transport": "shm"})
     res["rpcmp_unet_recompute"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
@@ -321,6 +338,9 @@ def report(console, res):
     ours, hand = res["rpcmp_ddp_mlp"], res["handwritten_ddp_mlp"]
     table.add_row("DDP mode vs a hand-written DDP loop (MLP, 2 ranks)", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
                   f"{ours / hand:.3f}")
+    ours, (kind, best) = res["rpcmp_unet"], min(res["pipelining_unet"].items(), key=lambda kv: kv[1])
+    table.add_row(f"split Unet M=4 vs best of pipelining GPipe/1F1B ({kind})", f"{ours * 1e3:.0f} ms",
+                  f"{best * 1e3:.0f} ms", f"{ours / best:.2f}")
     ours, hand = res["rpcmp_unet"], res["hand_rpc_unet"]
     table.add_row("split Unet M=4 vs hand-written RemoteModule RPC", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
                   f"{ours / hand:.2f} (throughput x{hand / ours:.2f})")
@@ -341,6 +361,8 @@ def report(console, res):
     console.print(table)
     console.print(f"MLP M=4 medians over {len(res['mlp_m4_ratio_per_round'])} alternating launches; ratio per launch: "
                   + ", ".join(f"{r:.2f}" for r in res["mlp_m4_ratio_per_round"]))
+    console.print(f"split Unet M=4 vs pipelining, medians over {len(res['unet_ratio_per_round'])} alternating "
+                  "launches; ratio per launch: " + ", ".join(f"{r:.2f}" for r in res["unet_ratio_per_round"]))
     for key in ("unet_memory_mib", "unet_memory_recompute_mib"):
         console.print(f"{key} per process: " + ", ".join(f"{k} {v:.0f}" for k, v in res[key].items()))
 

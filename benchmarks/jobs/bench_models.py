@@ -5,7 +5,6 @@ import torch.distributed.rpc as rpc
 from torch import nn
 
 
-
 def mlp():
     layers = []
     for _ in range(8):
@@ -23,6 +22,24 @@ def mse(out, y):
 
 def bce(out, y):
     return nn.functional.binary_cross_entropy_with_logits(out, y)
+
+
+class UnetStage(nn.Module):
+    """One part of the seeded Unet as a torch.distributed.pipelining stage: tensors in, tensors out
+    (the encoder's list of features travels as a tuple)."""
+
+    def __init__(self, name):
+        super().__init__()
+        torch.manual_seed(0)
+        self.name, self.part = name, getattr(unet(), name)
+
+    def forward(self, *x):
+        for t in x:  # gloo receives into contiguous buffers; grads out of torch.cat are views
+            if t.requires_grad:
+                t.register_hook(torch.Tensor.contiguous)
+        if self.name == "encoder":
+            return tuple(self.part(*x))
+        return self.part(list(x)) if self.name == "decoder" else self.part(*x)
 
 
 class Part(nn.Module):
