@@ -42,7 +42,7 @@ class Job:
     stages: Sequence[Any] | Split = ()
     placement: str | Sequence[str] = "auto"
     data: Callable[[], tuple[Any, Any]] | None = None  # -> (train_dataset, heldout_dataset or None)
-    loss: Callable[[Any, Any], torch.Tensor] | None = None  # loss(output, target), on the master
+    loss: Callable[[Any, Any], torch.Tensor] | None = None  # loss(output, target), on the master; per micro-batch unless schedule="gpipe"
     metric: Callable[[Any, Any], float] | None = None  # higher is better, on held-out data
     metric_name: str = "metric"
     optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.01})
