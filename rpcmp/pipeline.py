@@ -36,9 +36,10 @@ copies of its gradients at a time, not M (measured on the split Unet, batch 16 o
 256x256, M = 4, recompute: the encoder process's peak RSS fell from 1697 to 1521 MiB),
 and the merges overlap the remaining backward passes. The DistributedOptimizer steps
 with the first context. The loss of micro-batch i is weighted by its share of the batch,
-which is exact for losses that are means over samples. ``schedule="gpipe"`` keeps one
-context per step and computes the loss once on the gathered output: exact for any loss
-(a batch-level Dice, say), with less overlap.
+which is exact for losses that are means over samples (checked on the first step, see
+:meth:`Pipeline._check_loss`). ``schedule="gpipe"`` keeps one context per step and
+computes the loss once on the gathered output: exact for any loss (a batch-level Dice,
+say), with less overlap.
 
 [Note: BatchNorm and micro-batches]
 A BatchNorm layer in training mode normalises with the statistics of the batch it sees;
@@ -121,6 +122,7 @@ class Pipeline:
         self.last_grad_norm = None
         self._lr = kwargs.get("lr")
         self._lr_probe, self.scheduler = _scheduler(job, kwargs)
+        self._loss_checked = False  # see _check_loss
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
     # -- running micro-batches ------------------------------------------------
@@ -175,6 +177,7 @@ class Pipeline:
         ctx_ids, losses, errors = [0] * m, [None] * m, []
         backward_done, stepped = threading.Barrier(m + 1), threading.Event()
         merged = [threading.Event() for _ in range(m)]
+        outs = [None] * m if m > 1 and not self._loss_checked else None  # kept once, for _check_loss
 
         cap = len(self.specs) if self.schedule == "1f1b" else m  # micro-batches in flight
 
@@ -187,6 +190,8 @@ class Pipeline:
                     out = self._fp32(_stage._send(self.pid, seqs[i], self.places[0].process, xs[i], True,
                                                   self._owners).wait())
                     loss = self.job.loss(out, ys[i]) * (batch_size(xs[i]) / n)
+                    if outs is not None:
+                        outs[i] = map_tensors(out, torch.Tensor.detach)
                     self._backward(ctx, loss)
                     losses[i] = loss.detach()
                     if i > 0:  # add this context's gradients into the first's, in order, and free them
@@ -210,7 +215,8 @@ class Pipeline:
 
         if m > self._threads._max_workers:  # every micro-batch thread must run at once (barrier)
             self._threads.shutdown(wait=False)
-            self._threads = ThreadPoolExecutor(m, thread_name_prefix="rpcmp-micro")
+            self._loss_checked = False  # see _check_loss
+        self._threads = ThreadPoolExecutor(m, thread_name_prefix="rpcmp-micro")
         futs = [self._threads.submit(micro, i) for i in range(m)]
         try:
             backward_done.wait()
@@ -228,7 +234,30 @@ class Pipeline:
             _stage._abandon(self.pid, seqs)
             self._resync()
             raise _unwrap(errors[0])
-        return torch.stack(losses).sum()
+        total = torch.stack(losses).sum()
+        if outs is not None:
+            self._check_loss(outs, y, total)
+        return total
+
+    def _check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None:
+        """Once per pipeline: warn if the micro-batches' weighted losses do not add up to the
+        loss of the whole batch, i.e. ``Job.loss`` is not a mean over samples (a batch-level
+        Dice, a sum): the per-micro-batch schedules then train on another loss than the
+        unsplit model. Costs one more loss evaluation, on the first step with a finite loss."""
+        with torch.no_grad():
+            whole = self.job.loss(gather(outs), y).detach().float()
+        if not (torch.isfinite(whole).all() and torch.isfinite(total).all()):
+            return  # a later step checks
+        self._loss_checked = True
+        if whole.shape != total.shape:
+            return
+        if not torch.allclose(total.float(), whole, rtol=1e-4, atol=1e-6):
+            warnings.warn(
+                f"Job.loss is not a mean over samples: on the whole batch it is {whole.sum().item():.6g}, but the "
+                f"{len(outs)} micro-batches' losses, each weighted by its share of the batch, add up to "
+                f"{total.sum().item():.6g}. schedule={self.schedule!r} computes the loss per micro-batch, so it trains "
+                f"on another loss than the unsplit model; Job(schedule='gpipe') computes it once on the whole batch",
+                RuntimeWarning, stacklevel=4)
 
     def _backward(self, ctx: int, loss: torch.Tensor) -> None:
         """``dist_autograd.backward``, with a failure on another process named by its stages."""

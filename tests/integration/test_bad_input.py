@@ -1,4 +1,7 @@
 """Bad input at run time: a clear error, and nothing hangs (real processes)."""
+import dataclasses
+import warnings
+
 import pytest
 import torch
 
@@ -54,3 +57,32 @@ def test_nonfinite_loss_stops_or_skips_and_small_batch_is_refused():
         assert result == "loss nan" and unchanged and next_loss == next_loss
     assert "a batch of 3 samples cannot be split into 4 micro-batches" in out["small batch"]
     assert out["more chunks"] > 0
+
+
+def batch_sum_loss(out, y):  # a sum over samples, not a mean: micro-batch losses do not add up to it
+    return ((out - y) ** 2).sum()
+
+
+def _loss_check(job, world_size):
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    out = {}
+    for name, loss in (("sum", batch_sum_loss), ("mean", torch.nn.functional.mse_loss)):
+        for sched in ("overlap", "1f1b", "gpipe"):
+            pipe = rpcmp.Pipeline(dataclasses.replace(job, loss=loss), world_size, microbatches=2, schedule=sched)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                for _ in range(3):
+                    pipe.train_step(x, y)
+            out[(name, sched)] = [str(w.message) for w in seen if "mean over samples" in str(w.message)]
+            pipe.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_loss_that_is_not_a_mean_over_samples_is_flagged_once_where_micro_batches_change_it():
+    out = run_ranks("mlp", 3, _loss_check)
+    for sched in ("overlap", "1f1b"):
+        assert len(out[("sum", sched)]) == 1, out  # once per pipeline, not every step
+        assert "schedule='gpipe'" in out[("sum", sched)][0] and f"schedule={sched!r}" in out[("sum", sched)][0]
+    assert out[("sum", "gpipe")] == []  # gpipe computes the loss on the whole batch: nothing to flag
+    assert all(out[("mean", sched)] == [] for sched in ("overlap", "1f1b", "gpipe")), out
