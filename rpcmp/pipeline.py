@@ -215,8 +215,7 @@ class Pipeline:
 
         if m > self._threads._max_workers:  # every micro-batch thread must run at once (barrier)
             self._threads.shutdown(wait=False)
-            self._loss_checked = False  # see _check_loss
-        self._threads = ThreadPoolExecutor(m, thread_name_prefix="rpcmp-micro")
+            self._threads = ThreadPoolExecutor(m, thread_name_prefix="rpcmp-micro")
         futs = [self._threads.submit(micro, i) for i in range(m)]
         try:
             backward_done.wait()
