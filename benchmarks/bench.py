@@ -303,9 +303,9 @@ def main(out):
                   f"(M = 4; and M = 8, overlap vs 1f1b)")
     # The largest process's peak moves by up to ~7% from one launch of the same code to the
     # next (1762-1884 MiB seen): report the launch with the median one, of ROUNDS.
-    peaks = sorted((launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
-                    for _ in range(ROUNDS)), key=lambda procs: max(procs.values()))
-    res["unet_memory_mib"] = peaks[len(peaks) // 2]
+    peaks = [launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
+             for _ in range(ROUNDS)]
+    res["unet_memory_mib"] = sorted(peaks, key=lambda procs: max(procs.values()))[len(peaks) // 2]
     res["unet_memory_largest_per_round"] = [max(procs.values()) for procs in peaks]
     res["unet_memory_recompute_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory,
                                                     master_in_process=False, overrides={"recompute": True})
