@@ -243,12 +243,15 @@ class Pipeline:
         loss of the whole batch, i.e. ``Job.loss`` is not a mean over samples (a batch-level
         Dice, a sum): the per-micro-batch schedules then train on another loss than the
         unsplit model. Costs one more loss evaluation, on the first step with a finite loss."""
-        with torch.no_grad():
-            whole = self.job.loss(gather(outs), y).detach().float()
-        if not (torch.isfinite(whole).all() and torch.isfinite(total).all()):
+        try:
+            with torch.no_grad():
+                whole = self.job.loss(gather(outs), y).detach().float()
+        except Exception:  # noqa: BLE001 - outputs that do not concatenate (0-dim ones): nothing to compare
+            whole = None
+        if whole is not None and not (torch.isfinite(whole).all() and torch.isfinite(total).all()):
             return  # a later step checks
         self._loss_checked = True
-        if whole.shape != total.shape:
+        if whole is None or whole.shape != total.shape:
             return
         if not torch.allclose(total.float(), whole, rtol=1e-4, atol=1e-6):
             warnings.warn(
