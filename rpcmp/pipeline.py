@@ -75,10 +75,12 @@ from torch.distributed.optim import DistributedOptimizer
 from . import health
 from . import stage as _stage
 from .errors import JobError, NonFiniteLossError, StageError
+from .futures import unwrap, wait_all
 from .job import SCHEDULES
 from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
 from .partition import StageSpec, plan_stages
-from .placement import MASTER, Place, resolve_placement
+from .placement import Place, resolve_placement
+from .state import PipelineState
 
 __all__ = ["Pipeline"]
 
@@ -86,7 +88,7 @@ _PIPELINE_IDS = itertools.count()
 _SCALE_GROWTH = 2000  # good fp16 steps before the loss scale doubles
 
 
-class Pipeline:
+class Pipeline(PipelineState):
     """A model split into stages, each owned by the process its placement names."""
 
     def __init__(self, job, world_size: int, *, microbatches: int | None = None,
@@ -106,7 +108,7 @@ class Pipeline:
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, _stage._build,
                                       args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
-        built = _wait_all(futs)
+        built = wait_all(futs)
         self.param_rrefs = [r for refs, _ in built for r in refs]
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn in built)
@@ -135,7 +137,7 @@ class Pipeline:
         first = self.places[0].process
         seqs = self._next_seqs(len(parts))
         try:
-            outs = _wait_all([_stage._send(self.pid, s, first, p, grad, self._owners) for s, p in zip(seqs, parts)])
+            outs = wait_all([_stage._send(self.pid, s, first, p, grad, self._owners) for s, p in zip(seqs, parts)])
         except Exception:
             _stage._abandon(self.pid, seqs)
             self._resync()
@@ -197,8 +199,8 @@ class Pipeline:
                     if i > 0:  # add this context's gradients into the first's, in order, and free them
                         merged[i - 1].wait()
                         if self.optimizer is not None and not errors:
-                            _wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(self.pid, ctx_ids[0], ctx))
-                                       for o in self._param_owners])
+                            wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(self.pid, ctx_ids[0], ctx))
+                                      for o in self._param_owners])
                     merged[i].set()
                     if i == 0:
                         backward_done.wait()
@@ -232,7 +234,7 @@ class Pipeline:
         if errors:
             _stage._abandon(self.pid, seqs)
             self._resync()
-            raise _unwrap(errors[0])
+            raise unwrap(errors[0])
         total = torch.stack(losses).sum()
         if outs is not None:
             self._check_loss(outs, y, total)
@@ -287,7 +289,7 @@ class Pipeline:
         Clipping: by the global norm over every stage, as clip_grad_norm_ on the unsplit model."""
         if not self.job.clip_grad_norm and self.loss_scale is None:
             return True
-        sq = _wait_all([rpc.rpc_async(o, _stage._grad_sq_norm, args=(self.pid, ctx_id)) for o in self._param_owners])
+        sq = wait_all([rpc.rpc_async(o, _stage._grad_sq_norm, args=(self.pid, ctx_id)) for o in self._param_owners])
         norm, coef = math.sqrt(sum(sq)), 1.0
         if self.loss_scale is not None:
             if not math.isfinite(norm):
@@ -302,7 +304,7 @@ class Pipeline:
         if self.job.clip_grad_norm:
             coef *= min(1.0, self.job.clip_grad_norm / (norm + 1e-6))
         if coef != 1.0:
-            _wait_all([rpc.rpc_async(o, _stage._scale_grads, args=(self.pid, ctx_id, coef)) for o in self._param_owners])
+            wait_all([rpc.rpc_async(o, _stage._scale_grads, args=(self.pid, ctx_id, coef)) for o in self._param_owners])
         return True
 
     def _schedule_lr(self) -> None:
@@ -319,12 +321,12 @@ class Pipeline:
 
     def set_lr(self, lr: float) -> None:
         if lr != self._lr:
-            _wait_all([rpc.rpc_async(r.owner(), _stage._set_lr, args=(r, lr)) for r in self._remote_optimizers])
+            wait_all([rpc.rpc_async(r.owner(), _stage._set_lr, args=(r, lr)) for r in self._remote_optimizers])
             self._lr = lr
 
     def learning_rates(self) -> list[float]:
         """The learning rate each owner's optimizer will use next (for checks and logs)."""
-        return _wait_all([rpc.rpc_async(r.owner(), _stage._get_lr, args=(r,)) for r in self._remote_optimizers])
+        return wait_all([rpc.rpc_async(r.owner(), _stage._get_lr, args=(r,)) for r in self._remote_optimizers])
 
     def _finite(self, loss: torch.Tensor) -> bool:
         """False (skip this step's update) or raise, as ``Job.nonfinite`` says, for a NaN/inf loss."""
@@ -350,7 +352,7 @@ class Pipeline:
         """Forward without autograd on any stage (call :meth:`eval` first for inference)."""
         return self.forward(x, grad=False, chunks=min(self.microbatches, batch_size(x)))
 
-    # -- state ------------------------------------------------------------------
+    # -- mode, tracing, lifetime (the state across owners: rpcmp.state) ----------
     def train(self, mode: bool = True) -> "Pipeline":
         self._each(_stage._set_training, mode)
         return self
@@ -358,65 +360,12 @@ class Pipeline:
     def eval(self) -> "Pipeline":
         return self.train(False)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The consolidated state of every stage, keyed as in the unsplit model."""
-        state: dict[str, torch.Tensor] = {}
-        for part in self._each(_stage._state_dict):
-            state.update(part)
-        return state
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._each(_stage._load_state_dict, state)
-
-    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Optimizer state of every stage, keyed by the unsplit model's parameter names."""
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for part in _wait_all([rpc.rpc_async(r.owner(), _stage._optimizer_state, args=(self.pid, r))
-                               for r in self._remote_optimizers]):
-            state.update(part)
-        return state
-
-    def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        _wait_all([rpc.rpc_async(r.owner(), _stage._load_optimizer_state, args=(self.pid, r, state))
-                   for r in self._remote_optimizers])
-
-    def save_stage_files(self, directory: str, step: int, keep_last: int) -> list[str]:
-        """Each owner writes its stages' own checkpoint files, on its node."""
-        optims = {r.owner().name: r for r in self._remote_optimizers}
-        return _wait_all([rpc.rpc_async(p.process, _stage._save_stage,
-                                        args=(self.pid, i, optims.get(p.process), directory, step, keep_last))
-                          for i, p in enumerate(self.places)])
-
-    def rng_state(self) -> dict[str, Any]:
-        """Every process's RNG state, by process name, and the stages each one holds."""
-        owners = self._rng_owners()
-        states = _wait_all([rpc.rpc_async(o, _stage._rng_state) for o in owners])
-        return {"processes": dict(zip(owners, states)), "stages": self._stage_map()}
-
-    def load_rng_state(self, saved: dict[str, Any] | None) -> bool:
-        """Restore every process's RNG if each process holds the same stages as when saved
-        (same split and placement); return whether it did."""
-        if not saved or saved["stages"] != self._stage_map():
-            return False
-        _wait_all([rpc.rpc_async(o, _stage._set_rng_state, args=(saved["processes"][o],)) for o in self._rng_owners()])
-        return True
-
-    def _stage_map(self) -> dict[str, list[str]]:
-        return {o: [f"{s.index}:{s.name}" for s in held] for o, held in self._held().items()}
-
     def _held(self) -> dict[str, list[StageSpec]]:
         """The stages each process owns, in order."""
         held: dict[str, list[StageSpec]] = {}
         for spec, owner in zip(self.specs, self._owners):
             held.setdefault(owner, []).append(spec)
         return held
-
-    def _rng_owners(self) -> list[str]:
-        return sorted(set(self._owners) | {MASTER})
-
-    @property
-    def _remote_optimizers(self) -> list:
-        return self.optimizer.remote_optimizers if self.optimizer is not None else []
 
     def start_trace(self) -> None:
         self._each(_stage._set_trace, True)
@@ -431,14 +380,14 @@ class Pipeline:
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""
         owners = set(self._owners)
-        _wait_all([rpc.rpc_async(o, _stage._release, args=(self.pid,)) for o in owners])
+        wait_all([rpc.rpc_async(o, _stage._release, args=(self.pid,)) for o in owners])
         self.optimizer = None
         self.param_rrefs = []
         self._threads.shutdown(wait=False)
 
     def _each(self, fn, *args) -> list:
-        return _wait_all([rpc.rpc_async(p.process, fn, args=(self.pid, i) + args)
-                          for i, p in enumerate(self.places)])
+        return wait_all([rpc.rpc_async(p.process, fn, args=(self.pid, i) + args)
+                         for i, p in enumerate(self.places)])
 
     def _resync(self) -> None:
         try:
@@ -453,27 +402,3 @@ def _scheduler(job, optim_kwargs: dict):
     cls, kwargs = job.scheduler
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=optim_kwargs.get("lr", 1e-3))
     return probe, cls(probe, **kwargs)
-
-
-def _wait_all(futs) -> list:
-    """Wait for every future; raise the first error after all have settled."""
-    results, error = [], None
-    for fut in futs:
-        try:
-            results.append(fut.wait())
-        except Exception as exc:  # noqa: BLE001 - re-raised below
-            results.append(None)
-            error = error or exc
-    if error is not None:
-        raise _unwrap(error)
-    return results
-
-
-def _unwrap(exc: Exception) -> Exception:
-    """RPC re-raises remote errors with the remote traceback in the message; keep it, type it."""
-    if isinstance(exc, StageError):
-        return exc
-    text = str(exc)
-    if "StageError" in text or "stage " in text:
-        return StageError(text)
-    return exc
