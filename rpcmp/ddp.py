@@ -186,14 +186,14 @@ class DDPEngine:
 
     def rng_state(self) -> dict[str, Any]:
         """Every rank's RNG state (called on every rank: a collective)."""
-        from .stage import _rng_state
+        from .state import _rng_state
         states = [None] * self.world
         dist.all_gather_object(states, _rng_state())
         return {"processes": {f"rank{r}": s for r, s in enumerate(states)}, "stages": {"ddp": [str(self.world)]}}
 
     def load_rng_state(self, saved: dict[str, Any] | None) -> bool:
         """Restore this rank's RNG if the checkpoint came from as many DDP ranks."""
-        from .stage import _set_rng_state
+        from .state import _set_rng_state
         if not saved or saved.get("stages") != {"ddp": [str(self.world)]}:
             return False
         _set_rng_state(saved["processes"][f"rank{self.rank}"])

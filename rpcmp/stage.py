@@ -346,64 +346,9 @@ def _skip(pid: int, index: int, seq: int) -> None:
         host.skip(seq)
 
 
-def _state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:
-    """This stage's parameters and buffers, keyed as in the unsplit model, on the CPU."""
-    host = _HOSTS[(pid, index)]
-    return {host.spec.prefix + k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()}
-
-
-def _load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> None:
-    host = _HOSTS[(pid, index)]
-    own = {k: state[host.spec.prefix + k] for k in host.module.state_dict() if host.spec.prefix + k in state}
-    host.module.load_state_dict(own, strict=True)
-
-
 def _named_params(pid: int) -> dict[torch.Tensor, str]:
     return {p: host.spec.prefix + n for (hp, _), host in _HOSTS.items() if hp == pid
             for n, p in host.module.named_parameters()}
-
-
-def _optimizer_state(pid: int, optim_rref, only: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
-    """This process's optimizer state (of parameters named in ``only``, if given), keyed by
-    the unsplit model's parameter names."""
-    optim = optim_rref.local_value().optim
-    names = _named_params(pid)
-    return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
-            for p, st in optim.state.items() if p in names and (only is None or names[p] in only)}
-
-
-def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]]) -> int:
-    optim = optim_rref.local_value().optim
-    loaded = 0
-    for param, name in _named_params(pid).items():
-        if name in states:
-            optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[name].items()}
-            loaded += 1
-    return loaded
-
-
-def _rng_state() -> dict[str, Any]:
-    """This process's random number generators (dropout in its stages draws from them)."""
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, keep_last: int) -> str:
-    """Write this stage's own checkpoint file here, on its owner (see rpcmp/checkpoint.py)."""
-    from .checkpoint import save_stage_file
-    host = _HOSTS[(pid, index)]
-    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
-    return save_stage_file(directory, index, {
-        "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
-        "model": {k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()},
-        "optimizer": _optimizer_state(pid, optim_rref, names) if optim_rref is not None else {},
-    }, step, keep_last)
 
 
 def _set_trace(pid: int, index: int, on: bool) -> list:

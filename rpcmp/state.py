@@ -1,5 +1,8 @@
 """A split model's state as the unsplit model would hold it, gathered from every owner:
-parameters and buffers, optimizer state, RNG, and the per-stage checkpoint files."""
+parameters and buffers, optimizer state, RNG, and the per-stage checkpoint files.
+
+:class:`PipelineState` is the master's side; the ``_``-functions below it run on each
+owner, called over RPC."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from . import stage as _stage
+from .stage import _HOSTS, _named_params
 from .futures import wait_all
 from .placement import MASTER
 
@@ -21,36 +24,36 @@ class PipelineState:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated state of every stage, keyed as in the unsplit model."""
         state: dict[str, torch.Tensor] = {}
-        for part in self._each(_stage._state_dict):
+        for part in self._each(_state_dict):
             state.update(part)
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._each(_stage._load_state_dict, state)
+        self._each(_load_state_dict, state)
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Optimizer state of every stage, keyed by the unsplit model's parameter names."""
         state: dict[str, dict[str, torch.Tensor]] = {}
-        for part in wait_all([rpc.rpc_async(r.owner(), _stage._optimizer_state, args=(self.pid, r))
+        for part in wait_all([rpc.rpc_async(r.owner(), _optimizer_state, args=(self.pid, r))
                               for r in self._remote_optimizers]):
             state.update(part)
         return state
 
     def load_optimizer_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        wait_all([rpc.rpc_async(r.owner(), _stage._load_optimizer_state, args=(self.pid, r, state))
+        wait_all([rpc.rpc_async(r.owner(), _load_optimizer_state, args=(self.pid, r, state))
                   for r in self._remote_optimizers])
 
     def save_stage_files(self, directory: str, step: int, keep_last: int) -> list[str]:
         """Each owner writes its stages' own checkpoint files, on its node."""
         optims = {r.owner().name: r for r in self._remote_optimizers}
-        return wait_all([rpc.rpc_async(p.process, _stage._save_stage,
+        return wait_all([rpc.rpc_async(p.process, _save_stage,
                                        args=(self.pid, i, optims.get(p.process), directory, step, keep_last))
                          for i, p in enumerate(self.places)])
 
     def rng_state(self) -> dict[str, Any]:
         """Every process's RNG state, by process name, and the stages each one holds."""
         owners = self._rng_owners()
-        states = wait_all([rpc.rpc_async(o, _stage._rng_state) for o in owners])
+        states = wait_all([rpc.rpc_async(o, _rng_state) for o in owners])
         return {"processes": dict(zip(owners, states)), "stages": self._stage_map()}
 
     def load_rng_state(self, saved: dict[str, Any] | None) -> bool:
@@ -58,7 +61,7 @@ class PipelineState:
         (same split and placement); return whether it did."""
         if not saved or saved["stages"] != self._stage_map():
             return False
-        wait_all([rpc.rpc_async(o, _stage._set_rng_state, args=(saved["processes"][o],)) for o in self._rng_owners()])
+        wait_all([rpc.rpc_async(o, _set_rng_state, args=(saved["processes"][o],)) for o in self._rng_owners()])
         return True
 
     def _stage_map(self) -> dict[str, list[str]]:
@@ -70,3 +73,59 @@ class PipelineState:
     @property
     def _remote_optimizers(self) -> list:
         return self.optimizer.remote_optimizers if self.optimizer is not None else []
+
+
+# -- on each owner, over RPC ---------------------------------------------------------
+def _state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:
+    """This stage's parameters and buffers, keyed as in the unsplit model, on the CPU."""
+    host = _HOSTS[(pid, index)]
+    return {host.spec.prefix + k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()}
+
+
+def _load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> None:
+    host = _HOSTS[(pid, index)]
+    own = {k: state[host.spec.prefix + k] for k in host.module.state_dict() if host.spec.prefix + k in state}
+    host.module.load_state_dict(own, strict=True)
+
+
+def _optimizer_state(pid: int, optim_rref, only: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """This process's optimizer state (of parameters named in ``only``, if given), keyed by
+    the unsplit model's parameter names."""
+    optim = optim_rref.local_value().optim
+    names = _named_params(pid)
+    return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+            for p, st in optim.state.items() if p in names and (only is None or names[p] in only)}
+
+
+def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]]) -> int:
+    optim = optim_rref.local_value().optim
+    loaded = 0
+    for param, name in _named_params(pid).items():
+        if name in states:
+            optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[name].items()}
+            loaded += 1
+    return loaded
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random number generators (dropout in its stages draws from them)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, keep_last: int) -> str:
+    """Write this stage's own checkpoint file here, on its owner (see rpcmp/checkpoint.py)."""
+    from .checkpoint import save_stage_file
+    host = _HOSTS[(pid, index)]
+    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    return save_stage_file(directory, index, {
+        "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
+        "model": {k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()},
+        "optimizer": _optimizer_state(pid, optim_rref, names) if optim_rref is not None else {},
+    }, step, keep_last)
