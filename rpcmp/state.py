@@ -76,10 +76,15 @@ class PipelineState:
 
 
 # -- on each owner, over RPC ---------------------------------------------------------
+def _cpu_state(host) -> dict[str, torch.Tensor]:
+    """A copy of the stage's parameters and buffers on the CPU, keyed as in the stage."""
+    return {k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()}
+
+
 def _state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:
     """This stage's parameters and buffers, keyed as in the unsplit model, on the CPU."""
     host = _HOSTS[(pid, index)]
-    return {host.spec.prefix + k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()}
+    return {host.spec.prefix + k: v for k, v in _cpu_state(host).items()}
 
 
 def _load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> None:
@@ -126,6 +131,6 @@ def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, kee
     names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
     return save_stage_file(directory, index, {
         "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
-        "model": {k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()},
+        "model": _cpu_state(host),
         "optimizer": _optimizer_state(pid, optim_rref, names) if optim_rref is not None else {},
     }, step, keep_last)
