@@ -148,6 +148,28 @@ def _one_process(kind, threads, queue):
         queue.put(median_time(step))
 
 
+# -- what no 2-stage pipeline on 2 cores can beat: its compute alone ----------------------------
+def _compute_bound(m, queue):
+    """The MLP's two stages, 1 thread, one micro-batch of 256 / m rows at a time, no communication:
+    a GPipe-ordered pipeline of them takes at least sum over stages of (F + B) + (m - 1) x the
+    slowest stage's F + B, plus the slower stage's optimizer step."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    full = bm.mlp()
+    x, y = mlp_data()
+    x, y = x[:len(x) // m], y[:len(y) // m]
+    per_stage = []
+    for part in (full[:8], full[8:]):
+        inp = x.clone().requires_grad_()
+        opt = torch.optim.SGD(part.parameters(), lr=0.01)
+        fwd = median_time(lambda: part(inp))
+        out = part(inp)
+        bwd = median_time(lambda: part(inp).backward(torch.ones_like(out))) - fwd
+        per_stage.append((fwd + bwd, median_time(opt.step)))
+    work = [fb for fb, _ in per_stage]
+    queue.put(sum(work) + (m - 1) * max(work) + max(o for _, o in per_stage))
+
+
 # -- torch.distributed.pipelining -----------------------------------------------------
 PIPELINING = {  # model: (processes, micro-batch counts)
     "mlp": (2, (1, 4, 8)),
@@ -215,7 +237,7 @@ def _hand_rpc(rank, port, queue):
 
 
 # -- the same hops without rpcmp: nested async RPCs and distributed autograd, nothing else --
-def _bare_hops(rank, port, queue, transport):
+def _bare_hops(rank, port, queue, transport, grad=True):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
     opts = rpc.TensorPipeRpcBackendOptions(_transports=[transport], _channels=["basic"])
@@ -228,7 +250,12 @@ def _bare_hops(rank, port, queue, transport):
                 bm.CHAIN["out"] = torch.futures.Future()
                 rpc.rpc_async("worker1", bm.chain_forward, args=(1, 3, x))
                 dist_autograd.backward(ctx, [bm.CHAIN["out"].wait().sum()])
-        queue.put(median_time(step, warmup=20, steps=200) / 4)
+
+        def one_message_per_hop():  # forward only, no autograd: the least any pipeline sends
+            bm.CHAIN["out"] = torch.futures.Future()
+            rpc.rpc_async("worker1", bm.chain_forward, args=(1, 3, x.detach()))
+            bm.CHAIN["out"].wait()
+        queue.put(median_time(step if grad else one_message_per_hop, warmup=20, steps=200) / 4)
     rpc.shutdown()
 
 
@@ -245,14 +272,19 @@ def spawn(target, nprocs, *args):
     return result
 
 
-def one_process(kind, threads):
+def _run(target, *args):
+    """``target(*args, queue)`` in a fresh process; its result."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    p = ctx.Process(target=_one_process, args=(kind, threads, queue))
+    p = ctx.Process(target=target, args=(*args, queue))
     p.start()
     result = queue.get(timeout=900)
     p.join(60)
     return result
+
+
+def one_process(kind, threads):
+    return _run(_one_process, kind, threads)
 
 
 @click.command()
@@ -277,6 +309,7 @@ def main(out):
     res["rpcmp_mlp_1f1b"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                          overrides={"schedule": "1f1b"})
     res["one_process_mlp"] = {t: one_process("mlp", t) for t in (1, 2)}
+    res["mlp_compute_bound"] = {m: _run(_compute_bound, m) for m in (1, 4, 8)}
     console.print("[bold]DDP mode: the same MLP, 2 ranks x 128 samples, gloo, 1 thread each")
     res["rpcmp_ddp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_ddp, master_in_process=False,
                                         overrides={"mode": "ddp"})
@@ -299,6 +332,7 @@ def main(out):
     res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
                                     overrides={"transport": "shm"})
     res["bare_hop_s"] = {t: spawn(_bare_hops, 4, t) for t in ("uv", "shm")}
+    res["one_message_hop_s"] = {t: spawn(_bare_hops, 4, t, False) for t in ("uv", "shm")}
     console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD "
                   f"(M = 4; and M = 8, overlap vs 1f1b)")
     # The largest process's peak moves by up to ~7% from one launch of the same code to the
@@ -333,6 +367,9 @@ def report(console, res):
         best = min(peers)
         table.add_row(f"MLP M={m} vs best of pipelining GPipe/1F1B", f"{ours * 1e3:.0f} ms", f"{best * 1e3:.0f} ms", f"{ours / best:.2f}")
         table.add_row(f"MLP M={m} vs one process (best of 1, 2 threads)", f"{ours * 1e3:.0f} ms", f"{one * 1e3:.0f} ms", f"{ours / one:.2f}")
+        bound = res["mlp_compute_bound"][m]
+        table.add_row("  its floor: 2-stage compute alone, no communication, vs one process", f"{bound * 1e3:.0f} ms",
+                      f"{one * 1e3:.0f} ms", f"{bound / one:.2f}")
     for label, key in (("uv, gpipe schedule", "rpcmp_mlp_gpipe"), ("uv, 1f1b schedule", "rpcmp_mlp_1f1b"),
                        ("shm transport", "rpcmp_mlp_shm")):
         ours = res[key][4]
@@ -353,6 +390,9 @@ def report(console, res):
         table.add_row(f"overhead per hop, forward + backward ({t}) vs bare nested RPC + dist autograd",
                       f"{res[key] * 1e3:.3f} ms", f"{res['bare_hop_s'][t] * 1e3:.3f} ms",
                       f"{res[key] / res['bare_hop_s'][t]:.2f}")
+        floor = 2 * res["one_message_hop_s"][t]
+        table.add_row(f"  its floor ({t}): 2 one-way messages (bare forward chain, no autograd, x2)",
+                      f"{res[key] * 1e3:.3f} ms", f"{floor * 1e3:.3f} ms", f"{res[key] / floor:.2f}")
     table.add_row("split Unet M=4, recompute vs not", f"{res['rpcmp_unet_recompute'] * 1e3:.0f} ms",
                   f"{res['rpcmp_unet'] * 1e3:.0f} ms", f"{res['rpcmp_unet_recompute'] / res['rpcmp_unet']:.2f}")
     one = res["one_process_unet_memory_mib"]
