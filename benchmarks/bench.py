@@ -293,11 +293,15 @@ def main(out):
     console = Console()
     res = {}
     console.print(f"[bold]MLP 8x Linear(1024,1024)+ReLU, batch 256, 2 stages on 2 processes, 1 thread each; "
-                  f"rpcmp and pipelining alternate, {ROUNDS} launches each")
-    rounds = []
+                  f"rpcmp, pipelining, one process and the compute floor alternate, {ROUNDS} launches each")
+    rounds, alone = [], []
     for _ in range(ROUNDS):
         ours = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
         rounds.append((ours, spawn(_pipelining, 2, "mlp")))
+        # One process and the compute floor anchor the "vs one process" rows: a launch can
+        # lose the second core to the host (2 threads read 153 ms once, 88-98 ms otherwise).
+        alone.append({**{t: one_process("mlp", t) for t in (1, 2)},
+                      **{f"bound_m{m}": _run(_compute_bound, m) for m in (1, 4, 8)}})
     res["rpcmp_mlp"] = {m: statistics.median(r[0][m] for r in rounds) for m in rounds[0][0]}
     res["pipelining_mlp"] = {k: statistics.median(r[1][k] for r in rounds) for k in rounds[0][1]}
     res["mlp_m4_ratio_per_round"] = [r[0][4] / min(r[1]["gpipe_m4"], r[1]["1f1b_m4"]) for r in rounds]
@@ -308,8 +312,9 @@ def main(out):
                                           overrides={"schedule": "gpipe"})
     res["rpcmp_mlp_1f1b"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                          overrides={"schedule": "1f1b"})
-    res["one_process_mlp"] = {t: one_process("mlp", t) for t in (1, 2)}
-    res["mlp_compute_bound"] = {m: _run(_compute_bound, m) for m in (1, 4, 8)}
+    res["one_process_mlp"] = {t: statistics.median(a[t] for a in alone) for t in (1, 2)}
+    res["mlp_compute_bound"] = {m: statistics.median(a[f"bound_m{m}"] for a in alone) for m in (1, 4, 8)}
+    res["mlp_alone_rounds"] = alone
     console.print("[bold]DDP mode: the same MLP, 2 ranks x 128 samples, gloo, 1 thread each")
     res["rpcmp_ddp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_ddp, master_in_process=False,
                                         overrides={"mode": "ddp"})

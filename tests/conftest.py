@@ -1,8 +1,24 @@
-"""Shared fixtures: every test is seeded; no env var leaks."""
+"""Shared fixtures: every test is seeded; no env var leaks; what child processes leave in
+the temp directory (torchrun's torchelastic_* log folders) lands in pytest's own, which
+pytest prunes, not in /tmp."""
 import os
+import tempfile
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_tmpdir(tmp_path_factory):
+    saved = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+    tempfile.tempdir = None  # re-read TMPDIR in this process too
+    yield
+    if saved is None:
+        os.environ.pop("TMPDIR")
+    else:
+        os.environ["TMPDIR"] = saved
+    tempfile.tempdir = None
 
 
 @pytest.fixture(autouse=True)
