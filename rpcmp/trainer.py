@@ -32,6 +32,16 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         raise JobError(f"the training set has {len(train_set)} samples, fewer than one step of "
                        f"{job.batch_size} x {job.accumulate} (batch_size x accumulate)")
     console.print(engine.describe())
+    try:
+        return _train(job, engine, console, train_set, heldout, per_epoch)
+    except Exception as exc:  # a lost worker, named, wherever it is noticed: step, evaluation, checkpoint
+        explained = engine.explain(exc)
+        if explained is exc:
+            raise
+        raise explained from exc
+
+
+def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) -> dict[str, Any]:
     total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
     step, epoch, first_batch = _resume(job, engine, console) if job.resume else (0, 0, 0)
     before = engine.evaluate(heldout) if heldout is not None and job.metric else None
@@ -54,10 +64,7 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
                 health.status["step"] = step + 1
                 step_start = time.perf_counter()
                 tracer.before(step + 1)
-                try:
-                    loss, n = engine.train_step(group)
-                except Exception as exc:
-                    raise engine.explain(exc) from exc
+                loss, n = engine.train_step(group)
                 tracer.after(step + 1)
                 losses.append(loss)
                 step += 1

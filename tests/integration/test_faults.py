@@ -65,3 +65,15 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
     time.sleep(1.0)
     assert not [p for p in everyone if _alive(p)], "processes were left behind"
     assert load_checkpoint(ckpt_dir)["step"] % 40 == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_worker_lost_during_held_out_evaluation_is_named_too(mode):
+    # worker1 ends itself in the evaluation at the end of epoch 1 (step 32), between training steps.
+    launch, _, named = MODES[mode]
+    named = named.replace("layers[0:3]", "layers[0:4]")
+    proc = subprocess.run([os.path.join(BIN, "rpcmp"), "run", job_path("dies_in_eval"), *launch],
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0
+    assert "WorkerLostError" in proc.stderr and named in proc.stderr and "at step 32" in proc.stderr, proc.stderr

@@ -1,0 +1,28 @@
+"""tests/jobs/mlp.py with a layer that ends its process, worker1, at the first held-out
+evaluation after training began (the end of epoch 1): a worker lost outside a training step."""
+import multiprocessing
+import os
+
+from mlp import data, job as mlp_job, mlp, neg_mse  # noqa: F401 - this file is a job of its own
+from torch import nn
+
+import rpcmp
+
+
+class DiesInEvaluation(nn.Module):
+    trained = False
+
+    def forward(self, x):
+        if self.training:
+            self.trained = True
+        elif self.trained and multiprocessing.current_process().name == "worker1":
+            os._exit(1)
+        return x
+
+
+def model() -> nn.Sequential:
+    return nn.Sequential(DiesInEvaluation(), *mlp())
+
+
+job = rpcmp.Job(model=model, stages=rpcmp.Split([4, 4]), batch_size=8, microbatches=2, data=data,
+                metric=neg_mse, metric_name="-MSE", optimizer=mlp_job.optimizer, loss=mlp_job.loss, epochs=3)
