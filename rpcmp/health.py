@@ -9,6 +9,7 @@ ends the master with exit code 3 (the launcher or torchrun then stops the others
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
@@ -19,10 +20,11 @@ import torch.distributed.rpc as rpc
 
 from .errors import StageError
 
-__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "status"]
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "status"]
 
-# What the master is doing, for the messages: set by Pipeline and the trainer.
-status: dict = {"step": 0, "checkpoint": None, "stages": {}}
+# What the master is doing, for the messages: set by Pipeline, the trainer and prediction
+# ("task": what the run does if it is not training).
+status: dict = {"step": 0, "checkpoint": None, "stages": {}, "task": None}
 
 
 class WorkerLostError(StageError):
@@ -46,10 +48,12 @@ def unresponsive(processes, timeout: float) -> list[str]:
 
 def describe(lost: list[str], how: str) -> str:
     who = ", ".join(f"{p} ({', '.join(status['stages'].get(p, ['no stage']))})" for p in lost)
+    look = "Look at that process's log or node (killed? out of memory? network?)"
+    if status["task"]:
+        return f"{status['task']}: {who} {how}. {look}"
     ckpt = (f"The last checkpoint is {status['checkpoint']}: rerun with --resume to continue from it"
             if status["checkpoint"] else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
-    return (f"at step {status['step']}: {who} {how}. Look at that process's log or node (killed? out of "
-            f"memory? network?). {ckpt}")
+    return f"at step {status['step']}: {who} {how}. {look}. {ckpt}"
 
 
 def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseException:
@@ -63,6 +67,20 @@ def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseExceptio
     if not lost:
         return exc
     return WorkerLostError(describe(lost, f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
+
+
+@contextlib.contextmanager
+def explained(explain):
+    """Re-raise a failure in the block as ``explain(exc)`` names it (a :class:`WorkerLostError`
+    for a lost worker), or as it was: wherever the loss is noticed (a training step, a held-out
+    evaluation, a checkpoint save, a prediction), the error names the worker and the step."""
+    try:
+        yield
+    except Exception as exc:
+        better = explain(exc)
+        if better is exc:
+            raise
+        raise better from exc
 
 
 class Watchdog(threading.Thread):

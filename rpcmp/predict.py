@@ -8,12 +8,14 @@ of input | truth | prediction side by side; prints the job's metric when it has 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from . import health
 from .checkpoint import check_model_keys, load_checkpoint
 from .errors import JobError
 from .microbatch import batch_size, gather
@@ -38,14 +40,20 @@ def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: i
     """The same through the job's stages on ``world_size`` processes (run as the master)."""
     from .pipeline import Pipeline
     ckpt = load_checkpoint(checkpoint)
+    health.status["task"] = f"predicting with {ckpt['path']}"
     pipe = Pipeline(job, world_size)
     try:
-        check_model_keys(ckpt, pipe.state_dict(), f"the model of {job.source}")
-        pipe.load_state_dict(ckpt["model"])
-        pipe.eval()
-        return {"checkpoint": ckpt["path"], **write_predictions(job, pipe.predict, out_dir, images)}
-    finally:
-        pipe.close()
+        with health.explained(lambda exc: health.explain(exc, {p.process for p in pipe.places})):
+            check_model_keys(ckpt, pipe.state_dict(), f"the model of {job.source}")
+            pipe.load_state_dict(ckpt["model"])
+            pipe.eval()
+            result = {"checkpoint": ckpt["path"], **write_predictions(job, pipe.predict, out_dir, images)}
+    except BaseException:
+        with contextlib.suppress(Exception):  # a lost worker fails the release too: keep the first error
+            pipe.close()
+        raise
+    pipe.close()
+    return result
 
 
 def write_predictions(job, forward: Callable[[Any], Any], out_dir: str, images: int) -> dict[str, Any]:

@@ -32,13 +32,8 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         raise JobError(f"the training set has {len(train_set)} samples, fewer than one step of "
                        f"{job.batch_size} x {job.accumulate} (batch_size x accumulate)")
     console.print(engine.describe())
-    try:
+    with health.explained(engine.explain):
         return _train(job, engine, console, train_set, heldout, per_epoch)
-    except Exception as exc:  # a lost worker, named, wherever it is noticed: step, evaluation, checkpoint
-        explained = engine.explain(exc)
-        if explained is exc:
-            raise
-        raise explained from exc
 
 
 def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) -> dict[str, Any]:

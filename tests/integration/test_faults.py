@@ -77,3 +77,21 @@ def test_a_worker_lost_during_held_out_evaluation_is_named_too(mode):
                           capture_output=True, text=True, timeout=90)
     assert proc.returncode != 0
     assert "WorkerLostError" in proc.stderr and named in proc.stderr and "at step 32" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_lost_in_the_final_evaluation_or_in_split_prediction_is_named(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    rpcmp = os.path.join(BIN, "rpcmp")
+    # 4 steps, the checkpoint at the end, then the final held-out evaluation loses worker1
+    train = subprocess.run([rpcmp, "run", job_path("dies_in_eval"), "--local", "3", "--max-steps", "4",
+                            "--checkpoint-dir", ckpt], capture_output=True, text=True, timeout=90)
+    assert train.returncode != 0
+    assert "WorkerLostError: at step 4: worker1 (stage 0 layers[0:4])" in train.stderr, train.stderr
+    assert "The last checkpoint is" in train.stderr and load_checkpoint(ckpt)["step"] == 4
+    predict = subprocess.run([rpcmp, "predict", job_path("dies_in_eval"), "-c", ckpt, "--local", "3",
+                              "--out", str(tmp_path / "pred")], capture_output=True, text=True, timeout=90,
+                             env={**os.environ, "DIE_UNTRAINED": "1"})
+    assert predict.returncode != 0
+    assert "error: WorkerLostError: predicting with " in predict.stderr, predict.stderr  # not a traceback
+    assert "worker1 (stage 0 layers[0:4]) stopped answering" in predict.stderr and "--resume" not in predict.stderr

@@ -1,5 +1,6 @@
 """tests/jobs/mlp.py with a layer that ends its process, worker1, at the first held-out
-evaluation after training began (the end of epoch 1): a worker lost outside a training step."""
+evaluation after training began (the end of epoch 1), or with DIE_UNTRAINED=1 at its first
+forward in eval mode (a prediction): a worker lost outside a training step."""
 import multiprocessing
 import os
 
@@ -15,7 +16,7 @@ class DiesInEvaluation(nn.Module):
     def forward(self, x):
         if self.training:
             self.trained = True
-        elif self.trained and multiprocessing.current_process().name == "worker1":
+        elif (self.trained or os.environ.get("DIE_UNTRAINED")) and multiprocessing.current_process().name == "worker1":
             os._exit(1)
         return x
 
