@@ -148,7 +148,7 @@ def _one_process(kind, threads, queue):
         queue.put(median_time(step))
 
 
-# -- what no 2-stage pipeline on 2 cores can beat: its compute alone ----------------------------
+# -- what no 2-stage pipeline of one thread per stage can beat: its compute alone --------------
 def _compute_bound(m, queue):
     """The MLP's two stages, 1 thread, one micro-batch of 256 / m rows at a time, no communication:
     a GPipe-ordered pipeline of them takes at least sum over stages of (F + B) + (m - 1) x the

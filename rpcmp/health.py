@@ -73,7 +73,7 @@ def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseExceptio
 def explained(explain):
     """Re-raise a failure in the block as ``explain(exc)`` names it (a :class:`WorkerLostError`
     for a lost worker), or as it was: wherever the loss is noticed (a training step, a held-out
-    evaluation, a checkpoint save, a prediction), the error names the worker and the step."""
+    evaluation, a checkpoint save, a prediction), the error names the worker and the step or task."""
     try:
         yield
     except Exception as exc:

@@ -4,7 +4,7 @@ forward in eval mode (a prediction): a worker lost outside a training step."""
 import multiprocessing
 import os
 
-from mlp import data, job as mlp_job, mlp, neg_mse  # noqa: F401 - this file is a job of its own
+from mlp import data, job as mlp_job, mlp, neg_mse
 from torch import nn
 
 import rpcmp
