@@ -299,7 +299,7 @@ def main(out):
         ours = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
         rounds.append((ours, spawn(_pipelining, 2, "mlp")))
         # One process and the compute floor anchor the "vs one process" rows: a launch can
-        # lose the second core to the host (2 threads read 153 ms once, 88-98 ms otherwise).
+        # lose the second core to the host (2 threads read 153 ms once, 88-106 ms otherwise).
         alone.append({**{t: one_process("mlp", t) for t in (1, 2)},
                       **{f"bound_m{m}": _run(_compute_bound, m) for m in (1, 4, 8)}})
     res["rpcmp_mlp"] = {m: statistics.median(r[0][m] for r in rounds) for m in rounds[0][0]}
