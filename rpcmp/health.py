@@ -53,7 +53,8 @@ def describe(lost: list[str], how: str) -> str:
         return f"{status['task']}: {who} {how}. {look}"
     ckpt = (f"The last checkpoint is {status['checkpoint']}: rerun with --resume to continue from it"
             if status["checkpoint"] else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
-    return f"at step {status['step']}: {who} {how}. {look}. {ckpt}"
+    when = f"at step {status['step']}" if status["step"] else "before the first step"
+    return f"{when}: {who} {how}. {look}. {ckpt}"
 
 
 def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseException:

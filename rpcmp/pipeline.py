@@ -103,16 +103,18 @@ class Pipeline(PipelineState):
         self._owners = [p.process for p in self.places]
         self.pid = next(_PIPELINE_IDS)
         self._seq = 0
+        health.status["stages"] = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, _stage._build,
                                       args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
-        built = wait_all(futs)
+        # A worker lost while building is named; a stage that failed to build says so itself.
+        with health.explained(lambda exc: exc if isinstance(exc, StageError) else health.explain(exc, set(self._owners))):
+            built = wait_all(futs)
         self.param_rrefs = [r for refs, _ in built for r in refs]
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn in built)
-        health.status["stages"] = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
         cls, kwargs = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})

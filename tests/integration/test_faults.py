@@ -95,3 +95,12 @@ def test_a_worker_lost_in_the_final_evaluation_or_in_split_prediction_is_named(t
     assert predict.returncode != 0
     assert "error: WorkerLostError: predicting with " in predict.stderr, predict.stderr  # not a traceback
     assert "worker1 (stage 0 layers[0:4]) stopped answering" in predict.stderr and "--resume" not in predict.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_lost_while_its_stage_is_built_is_named():
+    proc = subprocess.run([os.path.join(BIN, "rpcmp"), "run", job_path("dies_in_eval"), "--local", "3"],
+                          capture_output=True, text=True, timeout=90, env={**os.environ, "DIE_AT_BUILD": "1"})
+    assert proc.returncode != 0
+    assert "error: WorkerLostError: before the first step: worker1 (stage 0 layers[0:4]) stopped answering" \
+        in proc.stderr, proc.stderr

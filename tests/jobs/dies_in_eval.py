@@ -1,6 +1,7 @@
 """tests/jobs/mlp.py with a layer that ends its process, worker1, at the first held-out
-evaluation after training began (the end of epoch 1), or with DIE_UNTRAINED=1 at its first
-forward in eval mode (a prediction): a worker lost outside a training step."""
+evaluation after training began (the end of epoch 1), with DIE_UNTRAINED=1 at its first
+forward in eval mode (a prediction), with DIE_AT_BUILD=1 as worker1 builds its stage: a
+worker lost outside a training step."""
 import multiprocessing
 import os
 
@@ -10,13 +11,22 @@ from torch import nn
 import rpcmp
 
 
+def _worker1() -> bool:
+    return multiprocessing.current_process().name == "worker1"
+
+
 class DiesInEvaluation(nn.Module):
     trained = False
+
+    def __init__(self):
+        super().__init__()
+        if os.environ.get("DIE_AT_BUILD") and _worker1():
+            os._exit(1)
 
     def forward(self, x):
         if self.training:
             self.trained = True
-        elif (self.trained or os.environ.get("DIE_UNTRAINED")) and multiprocessing.current_process().name == "worker1":
+        elif (self.trained or os.environ.get("DIE_UNTRAINED")) and _worker1():
             os._exit(1)
         return x
 
