@@ -110,7 +110,7 @@ class Pipeline(PipelineState):
             futs.append(rpc.rpc_async(place.process, _stage._build,
                                       args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
         # A worker lost while building is named; a stage that failed to build says so itself.
-        with health.explained(lambda exc: exc if isinstance(exc, StageError) else health.explain(exc, set(self._owners))):
+        with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
             built = wait_all(futs)
         self.param_rrefs = [r for refs, _ in built for r in refs]
         # See [Note: BatchNorm and micro-batches].
@@ -361,6 +361,11 @@ class Pipeline(PipelineState):
 
     def eval(self) -> "Pipeline":
         return self.train(False)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """``exc`` as a :class:`~rpcmp.health.WorkerLostError` naming the owner that stopped
+        answering, if one did (see :func:`rpcmp.health.explain`)."""
+        return health.explain(exc, set(self._owners))
 
     def _held(self) -> dict[str, list[StageSpec]]:
         """The stages each process owns, in order."""

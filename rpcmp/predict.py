@@ -43,7 +43,7 @@ def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: i
     health.status["task"] = f"predicting with {ckpt['path']}"
     pipe = Pipeline(job, world_size)
     try:
-        with health.explained(lambda exc: health.explain(exc, {p.process for p in pipe.places})):
+        with health.explained(pipe.explain):
             check_model_keys(ckpt, pipe.state_dict(), f"the model of {job.source}")
             pipe.load_state_dict(ckpt["model"])
             pipe.eval()

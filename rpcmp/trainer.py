@@ -245,7 +245,7 @@ class PipelineEngine:
         return text
 
     def explain(self, exc: BaseException) -> BaseException:
-        return health.explain(exc, {p.process for p in self.pipe.places})
+        return self.pipe.explain(exc)
 
     def summary(self, console: Console) -> None:
         table = Table(title="rpcmp run: stages", show_header=True,
