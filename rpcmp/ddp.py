@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
 from .errors import JobError
+from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, to_device
 from .trainer import data_loader, step_groups
 
@@ -206,10 +207,11 @@ class DDPEngine:
         import resource
         return {"rank0_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
+    def scheduler_state(self) -> dict:
+        return scheduler_state(self.scheduler, self.optimizer)
+
     def load_scheduler_state(self, state) -> None:
-        self.scheduler.load_state_dict(state)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.scheduler.get_last_lr()[0]
+        load_scheduler_state(self.scheduler, self.optimizer, state)
 
     def describe(self) -> str:
         return (f"DDP on {self.world} ranks ({'nccl' if self.device.type == 'cuda' else 'gloo'}), "

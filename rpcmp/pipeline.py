@@ -76,6 +76,7 @@ from . import health
 from . import stage as _stage
 from .errors import JobError, NonFiniteLossError, StageError
 from .futures import unwrap, wait_all
+from .hparams import make_probe, scheduled_fields
 from .job import SCHEDULES
 from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
 from .partition import StageSpec, plan_stages
@@ -86,6 +87,7 @@ __all__ = ["Pipeline"]
 
 _PIPELINE_IDS = itertools.count()
 _SCALE_GROWTH = 2000  # good fp16 steps before the loss scale doubles
+_UNSET = object()
 
 
 class Pipeline(PipelineState):
@@ -124,8 +126,10 @@ class Pipeline(PipelineState):
         self.loss_scale = 2.0 ** 16 if job.precision == "fp16" else None
         self.overflow_steps, self._good_steps = 0, 0
         self.last_grad_norm = None
-        self._lr = kwargs.get("lr")
-        self._lr_probe, self.scheduler = _scheduler(job, kwargs)
+        # See [Note: schedulers in pipeline mode]: what the scheduler sets reaches every stage before step 1.
+        self._probe, self.scheduler = make_probe((cls, kwargs), job.scheduler)
+        self._sent: dict[str, Any] = dict(kwargs)
+        self._send_fields()
         self._loss_checked = False  # see _check_loss
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
@@ -310,25 +314,36 @@ class Pipeline(PipelineState):
         return True
 
     def _schedule_lr(self) -> None:
-        """Step the LR scheduler and send a changed learning rate to every stage's optimizer.
-
-        The scheduler runs on the master around a one-parameter probe optimizer (the
-        remote optimizers are not ``torch.optim.Optimizer`` objects it could wrap).
-        """
+        """Step the scheduler; every optimizer field it changed reaches every stage before the next step."""
         if self.scheduler is None:
             return
-        self._lr_probe.step()
+        self._probe.step()
         self.scheduler.step()
-        self.set_lr(self._lr_probe.param_groups[0]["lr"])
+        self._send_fields()
 
-    def set_lr(self, lr: float) -> None:
-        if lr != self._lr:
-            wait_all([rpc.rpc_async(r.owner(), _stage._set_lr, args=(r, lr)) for r in self._remote_optimizers])
-            self._lr = lr
+    def _send_fields(self) -> None:
+        if self._probe is not None:
+            self.set_hparams(scheduled_fields(self._probe))
+
+    def set_hparams(self, fields: dict[str, Any]) -> None:
+        """Set optimizer fields (``lr``, ``momentum``, ``betas``, ...) on every stage's optimizer."""
+        changed = {k: v for k, v in fields.items() if self._sent.get(k, _UNSET) != v}
+        if changed:
+            wait_all([rpc.rpc_async(r.owner(), _stage._set_fields, args=(r, changed)) for r in self._remote_optimizers])
+            self._sent.update(changed)
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate the stages' optimizers use next."""
+        return self._sent.get("lr")
+
+    def hparams(self) -> list[dict[str, Any]]:
+        """The fields each owner's optimizer will use at its next step (for checks and logs)."""
+        return wait_all([rpc.rpc_async(r.owner(), _stage._get_fields, args=(r,)) for r in self._remote_optimizers])
 
     def learning_rates(self) -> list[float]:
-        """The learning rate each owner's optimizer will use next (for checks and logs)."""
-        return wait_all([rpc.rpc_async(r.owner(), _stage._get_lr, args=(r,)) for r in self._remote_optimizers])
+        """The learning rate each owner's optimizer will use next."""
+        return [f["lr"] for f in self.hparams()]
 
     def _finite(self, loss: torch.Tensor) -> bool:
         """False (skip this step's update) or raise, as ``Job.nonfinite`` says, for a NaN/inf loss."""
@@ -401,11 +416,3 @@ class Pipeline(PipelineState):
             self._each(_stage._resync, self._seq)
         except Exception:  # the original error is the one worth reporting
             pass
-
-
-def _scheduler(job, optim_kwargs: dict):
-    if job.scheduler is None:
-        return None, None
-    cls, kwargs = job.scheduler
-    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=optim_kwargs.get("lr", 1e-3))
-    return probe, cls(probe, **kwargs)

@@ -49,6 +49,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .errors import StageError
+from .hparams import apply_fields, read_fields
 from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
 from .recompute import Recomputed, make_recomputable
@@ -314,18 +315,12 @@ def _scale_grads(pid: int, ctx_id: int, scale: float) -> None:
         g.mul_(scale)
 
 
-def _set_lr(optim_rref, lr: float) -> None:
-    optim = optim_rref.local_value().optim
-    if hasattr(optim, "param_groups"):  # a torch.optim optimizer
-        for group in optim.param_groups:
-            group["lr"] = lr
-    else:  # a functional optimizer reads defaults["lr"] at every step
-        optim.defaults["lr"] = lr
+def _set_fields(optim_rref, fields: dict) -> None:
+    apply_fields(optim_rref.local_value().optim, fields)
 
 
-def _get_lr(optim_rref) -> float:
-    optim = optim_rref.local_value().optim
-    return optim.param_groups[0]["lr"] if hasattr(optim, "param_groups") else optim.defaults["lr"]
+def _get_fields(optim_rref) -> dict:
+    return read_fields(optim_rref.local_value().optim)
 
 
 def _set_training(pid: int, index: int, mode: bool) -> None:

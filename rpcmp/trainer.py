@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from .checkpoint import CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, save_checkpoint
 from . import health
 from .errors import JobError
+from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, gather
 from .pipeline import Pipeline
 from .trace import write_chrome_trace
@@ -204,7 +205,7 @@ class PipelineEngine:
         return self.pipe.scheduler
 
     def step_metrics(self) -> dict:
-        return {"lr": self.pipe._lr, "grad_norm": self.pipe.last_grad_norm}
+        return {"lr": self.pipe.lr, "grad_norm": self.pipe.last_grad_norm}
 
     def epoch_metrics(self) -> dict:
         stats = self.pipe.stats()
@@ -227,12 +228,12 @@ class PipelineEngine:
     def loss_scale(self, value: float) -> None:
         self.pipe.loss_scale = value
 
+    def scheduler_state(self) -> dict:
+        return scheduler_state(self.pipe.scheduler, self.pipe._probe)
+
     def load_scheduler_state(self, state) -> None:
-        self.pipe.scheduler.load_state_dict(state)
-        lr = self.pipe.scheduler.get_last_lr()[0]
-        for group in self.pipe._lr_probe.param_groups:
-            group["lr"] = lr
-        self.pipe.set_lr(lr)
+        load_scheduler_state(self.pipe.scheduler, self.pipe._probe, state)
+        self.pipe._send_fields()
 
     def describe(self) -> str:
         pipe = self.pipe
@@ -296,7 +297,7 @@ def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
     health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
         "mode": engine.mode, "model": engine.state_dict(),
         "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},
-        "scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+        "scheduler": engine.scheduler_state() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
         "rng": rng, "loss_scale": getattr(engine, "loss_scale", None),
     }, step, job.keep_last)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from rpcmp.job import load_job
@@ -27,6 +28,20 @@ def run_ranks(job: str, nprocs: int, main, overrides: dict | None = None, timeou
     Every process is killed if the run outlives ``timeout``: a hang is a failure.
     """
     return launch_local(job_path(job), nprocs, main, overrides=overrides, timeout=timeout, master_in_process=False)
+
+
+def assert_close(actual, expected, **kwargs) -> None:
+    """``torch.testing.assert_close`` for float32 results, with float32 tolerances.
+
+    A float32 loss read with ``.item()`` becomes a Python float, which ``assert_close``
+    compares at float64 tolerances (rtol 1e-7): one float32 ulp apart fails, and whether two
+    sums round alike depends on the CPU's kernels. Every Python float here (a loss, a norm, a
+    metric computed in float32) is compared as a float32 tensor instead. Pass ``rtol=0,
+    atol=0`` where equality must be exact (the same operations in the same order).
+    """
+    def f32(x):
+        return torch.tensor(x, dtype=torch.float32) if isinstance(x, float) else x
+    torch.testing.assert_close(pytree.tree_map(f32, actual), pytree.tree_map(f32, expected), **kwargs)
 
 
 def batches(steps: int, size: int = 8, seed: int = 1):

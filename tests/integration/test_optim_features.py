@@ -6,12 +6,19 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import batches, load, run_ranks
+from helpers import assert_close, batches, load, run_ranks
 
 pytestmark = pytest.mark.integration
 STEPS = 4
 SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 SCHED = (torch.optim.lr_scheduler.StepLR, {"step_size": 1, "gamma": 0.5})
+ADAM = (torch.optim.Adam, {})  # the class's own default learning rate
+# Schedulers that set the optimizer at construction (step 1 does not use the base lr) and that
+# cycle momentum / betas as well as the learning rate.
+WARMUP = (torch.optim.lr_scheduler.LinearLR, {"start_factor": 0.1, "total_iters": 3})
+ONECYCLE = (torch.optim.lr_scheduler.OneCycleLR, {"max_lr": 0.2, "total_steps": STEPS})
+SCHEDULED = {"warmup-sgd": (SGD, WARMUP), "onecycle-sgd": (SGD, ONECYCLE), "warmup-adam": (ADAM, WARMUP),
+             "onecycle-adam": ((torch.optim.Adam, {"lr": 0.01}), ONECYCLE)}
 
 
 def _run(job, world_size):
@@ -28,6 +35,15 @@ def _run(job, world_size):
                 norms.append(pipe.last_grad_norm)
             out[(name, sched)] = (pipe.state_dict(), losses, lrs, norms)
             pipe.close()
+    for name, (optimizer, scheduler) in SCHEDULED.items():
+        variant = dataclasses.replace(job, stages=rpcmp.Split([2, 3, 2]), optimizer=optimizer, scheduler=scheduler)
+        pipe = rpcmp.Pipeline(variant, world_size, microbatches=2)
+        fields = [pipe.hparams()]
+        for x, y in data:
+            pipe.train_step(x, y)
+            fields.append(pipe.hparams())
+        out[name] = (pipe.state_dict(), fields)
+        pipe.close()
     # accumulation: 2 batches of 8 per step == 1 batch of 16
     variant = dataclasses.replace(job, stages=rpcmp.Split([3, 4]), optimizer=SGD, accumulate=2)
     pipe = rpcmp.Pipeline(variant, world_size, microbatches=2)
@@ -38,14 +54,14 @@ def _run(job, world_size):
     return out
 
 
-def _reference(clip=None, scheduler=None, accumulate=1):
+def _reference(clip=None, scheduler=None, accumulate=1, optimizer=SGD):
     job = load("mlp")
     torch.manual_seed(job.seed)
     model = job.model()
-    opt = SGD[0](model.parameters(), **SGD[1])
+    opt = optimizer[0](model.parameters(), **optimizer[1])
     sched = scheduler[0](opt, **scheduler[1]) if scheduler else None
     data = batches(STEPS, size=8, seed=7)
-    norms = []
+    norms, fields = [], [_fields(opt)]
     for i in range(0, STEPS, accumulate):
         opt.zero_grad()
         for x, y in data[i:i + accumulate]:
@@ -55,7 +71,13 @@ def _reference(clip=None, scheduler=None, accumulate=1):
         opt.step()
         if sched:
             sched.step()
-    return model.state_dict(), norms
+        fields.append(_fields(opt))
+    return model.state_dict(), norms, fields
+
+
+def _fields(opt):
+    group = opt.param_groups[0]
+    return {k: group[k] for k in ("lr", "momentum", "betas") if k in group}
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +89,10 @@ def runs():
 @pytest.mark.parametrize("sched", ["overlap", "gpipe"])
 def test_clipping_equals_clip_grad_norm_on_the_unsplit_model(runs, sched):
     state, _, _, norms = runs[("clip", sched)]
-    ref_state, ref_norms = _reference(clip=0.05)
+    ref_state, ref_norms, _ = _reference(clip=0.05)
     assert all(n > 0.05 for n in ref_norms)  # clipping really happened
-    torch.testing.assert_close(norms, ref_norms)
-    torch.testing.assert_close(state, ref_state)
+    assert_close(norms, ref_norms)
+    assert_close(state, ref_state)
 
 
 @pytest.mark.timeout(300)
@@ -79,9 +101,26 @@ def test_scheduler_changes_every_stage_learning_rate(runs, sched):
     state, _, lrs, _ = runs[("sched", sched)]
     assert [set(step) for step in lrs] == [{0.05}, {0.025}, {0.0125}, {0.00625}]
     assert all(len(step) == 3 for step in lrs)  # one optimizer per stage owner, all changed
-    torch.testing.assert_close(state, _reference(scheduler=SCHED)[0])
+    assert_close(state, _reference(scheduler=SCHED)[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(SCHEDULED))
+def test_every_field_a_scheduler_sets_reaches_every_stage_before_the_step_that_uses_it(runs, name):
+    optimizer, scheduler = SCHEDULED[name]
+    state, fields = runs[name]
+    ref_state, _, ref_fields = _reference(scheduler=scheduler, optimizer=optimizer)
+    for got, want in zip(fields, ref_fields):  # before step 1, and after every step
+        assert len(got) == 3  # one optimizer per stage owner
+        for owner in got:
+            for key, value in want.items():
+                assert owner[key] == pytest.approx(value), (name, key, fields, ref_fields)
+    if name.startswith("onecycle"):  # momentum / betas really cycled
+        key = "momentum" if "momentum" in ref_fields[0] else "betas"
+        assert ref_fields[0][key] != ref_fields[2][key]
+    assert_close(state, ref_state)
 
 
 @pytest.mark.timeout(300)
 def test_accumulation_equals_one_batch_k_times_larger(runs):
-    torch.testing.assert_close(runs["accumulate"], _reference(accumulate=2)[0])
+    assert_close(runs["accumulate"], _reference(accumulate=2)[0])

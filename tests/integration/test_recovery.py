@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from helpers import job_path
+from helpers import assert_close, job_path
 from rpcmp.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -56,4 +56,4 @@ def test_worker_killed_once_under_torchrun_max_restarts(tmp_path):
     assert "resumed from" in out, out
     a, b = load_checkpoint(clean), load_checkpoint(faulty)
     assert a["step"] == b["step"] == STEPS
-    torch.testing.assert_close(b["model"], a["model"])
+    assert_close(b["model"], a["model"])

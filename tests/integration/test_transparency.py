@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import batches, load, run_ranks, train_reference
+from helpers import assert_close, batches, load, run_ranks, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_split_training_matches_one_process(split_runs, stages, m, opt, sched):
     ref_losses, ref_state = train_reference(model, OPTIMIZERS[opt], job.loss, batches(STEPS))
     out, losses, state, places = split_runs[(stages, m, opt, sched)]
     assert len(places) == stages and len(set(p.split("/")[0] for p in places)) == stages
-    torch.testing.assert_close(out, first_out)
-    torch.testing.assert_close(losses[0], ref_losses[0])
-    torch.testing.assert_close(losses, ref_losses)
-    torch.testing.assert_close(state, ref_state)
+    assert_close(out, first_out)
+    assert_close(losses[0], ref_losses[0])
+    assert_close(losses, ref_losses)
+    assert_close(state, ref_state)
