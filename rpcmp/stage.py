@@ -61,6 +61,7 @@ _JOB = None  # the Job this process imported (set by rpcmp.runtime)
 _HOSTS: dict[tuple[int, int], "_StageHost"] = {}
 _INBOX: dict[tuple[int, int], torch.futures.Future] = {}  # (pipeline id, seq) -> its output, on the master
 _INBOX_LOCK = threading.Lock()
+_BUILD_LOCK = threading.Lock()  # the global RNG is per process: one stage build at a time
 
 
 def set_job(job) -> None:
@@ -192,7 +193,10 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
     (the job file imported here may have been overridden on the master)."""
     try:
         device = check_device(place)
-        module = build_stage(_JOB, spec).to(device)
+        # Builds of two stages on one process run on two RPC threads: each seeds the global RNG and
+        # draws its initial weights from it, so they must not interleave.
+        with _BUILD_LOCK:
+            module = build_stage(_JOB, spec).to(device)
     except Exception as exc:
         raise StageError(
             f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}\n"

@@ -55,3 +55,23 @@ def test_split_training_matches_one_process(split_runs, stages, m, opt, sched):
     assert_close(losses[0], ref_losses[0])
     assert_close(losses, ref_losses)
     assert_close(state, ref_state)
+
+
+def _five_builds(job, world_size):
+    states = []
+    for _ in range(5):
+        pipe = rpcmp.Pipeline(job, world_size)
+        states.append(pipe.state_dict())
+        pipe.close()
+    return states
+
+
+@pytest.mark.timeout(300)
+def test_two_stages_on_one_process_start_from_the_seeded_unsplit_model_every_time():
+    # Both stages live on worker1; their builds must not interleave the global RNG.
+    states = run_ranks("slow_build", 2, _five_builds, timeout=240)
+    job = load("slow_build")
+    torch.manual_seed(job.seed)
+    ref = job.model().state_dict()
+    for state in states:
+        assert_close(state, ref, rtol=0, atol=0)
