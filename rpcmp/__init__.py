@@ -6,7 +6,8 @@ Declare stages in a job file, then launch it::
     torchrun --nnodes=3 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
         -m rpcmp.master examples/unet_split/job.py
 """
-from .errors import JobError, MicroBatchError, NonFiniteLossError, PartitionError, PlacementError, RpcmpError, StageError, StageOutputError
+from .errors import (CheckpointError, CheckpointWriteError, JobError, MicroBatchError, NonFiniteLossError, PartitionError,
+                     PlacementError, RpcmpError, StageError, StageOutputError)
 from .job import Job, load_job
 from .partition import Split
 from .pipeline import Pipeline
@@ -14,5 +15,6 @@ from .pipeline import Pipeline
 __all__ = [
     "Job", "Split", "Pipeline", "load_job",
     "RpcmpError", "JobError", "NonFiniteLossError", "PartitionError", "PlacementError", "MicroBatchError", "StageError", "StageOutputError",
+    "CheckpointError", "CheckpointWriteError",
 ]
 __version__ = "0.1.0"

@@ -7,56 +7,84 @@ training position (step, epoch, batch within the epoch, seed), every process's R
 (restored when each process holds the same stages again, so dropout resumes exactly)
 and the fp16 loss scale.
 
-In pipeline mode each stage's owner also writes ``step-NNNNNNNN.stage-K.pt`` beside it,
+Every run has an id (``Job`` runs get a fresh one; ``--resume`` continues the run it
+resumes), written into the file name, ``step-NNNNNNNN.RUN.pt``, and the payload with the
+model's key fingerprint. ``keep_last`` prunes the current run's files only, so a folder
+reused by another run keeps that run's checkpoints; "the latest checkpoint" of a folder
+is the one written last, whatever its run.
+
+In pipeline mode each stage's owner also writes ``step-NNNNNNNN.RUN.stage-K.pt`` beside it,
 on its own node: that stage's parameters and buffers (keys of the stage module, loadable
 into it with ``strict=True``), its optimizer state and the step. They are written
 before the consolidated file, whose presence marks a complete checkpoint; resuming reads
 the consolidated file, so it works under any split.
 
-Writes are atomic: the file is written beside its final name, flushed to disk and then
-renamed, so a crash or a full disk during a save never damages an earlier checkpoint.
+Writes are atomic: the file is written beside its final name, flushed to disk, renamed,
+and the directory is flushed before any older file is pruned, so a crash or a full disk
+during a save never damages an earlier checkpoint. Files are read with
+``torch.load(weights_only=True)``: a file planted in the folder cannot run code.
 """
 from __future__ import annotations
 
-import glob
+import errno
+import hashlib
 import os
 import re
 import shutil
+import uuid
 from typing import Any
 
 import torch
 
-from .errors import RpcmpError
+from .errors import CheckpointError, CheckpointWriteError
 
-__all__ = ["CheckpointError", "save_checkpoint", "save_stage_file", "load_checkpoint", "latest_checkpoint",
-           "check_model_keys"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "save_stage_file", "load_checkpoint",
+           "latest_checkpoint", "check_model_keys", "new_run_id", "model_fingerprint"]
 
 FORMAT = "rpcmp-checkpoint/1"
 STAGE_FORMAT = "rpcmp-stage/1"
-_NAME = re.compile(r"step-(\d+)\.pt$")
+# step-NNNNNNNN[.RUN].pt and step-NNNNNNNN[.RUN].stage-K.pt (files of rpcmp before run ids have no RUN)
+_NAME = re.compile(r"^step-(\d+)(?:\.([0-9a-f]+))?\.pt$")
+_STAGE_NAME = re.compile(r"^step-(\d+)(?:\.([0-9a-f]+))?\.stage-(\d+)\.pt$")
 
 
-class CheckpointError(RpcmpError, ValueError):
-    """A checkpoint cannot be written, read, or does not fit the model."""
+def new_run_id() -> str:
+    """A fresh run id (12 hex digits)."""
+    return uuid.uuid4().hex[:12]
 
 
-def save_checkpoint(directory: str, payload: dict[str, Any], step: int, keep_last: int = 2) -> str:
-    """Write ``payload`` as ``directory/step-NNNNNNNN.pt`` atomically; keep the newest ``keep_last``."""
-    path = _atomic_save(directory, f"step-{step:08d}.pt", {"format": FORMAT, **payload})
-    for old in _checkpoints(directory)[:-keep_last] if keep_last > 0 else []:
-        os.remove(old)
+def model_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """A digest of a state dict's keys, shapes and dtypes: equal for the same model, whatever its values."""
+    text = "\n".join(f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sorted(state.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _stem(step: int, run: str | None) -> str:
+    return f"step-{step:08d}" + (f".{run}" if run else "")
+
+
+def save_checkpoint(directory: str, payload: dict[str, Any], step: int, keep_last: int = 2,
+                    run: str | None = None) -> str:
+    """Write ``payload`` as ``directory/step-NNNNNNNN.RUN.pt`` atomically; keep run ``run``'s newest ``keep_last``."""
+    path = _atomic_save(directory, _stem(step, run) + ".pt", {"format": FORMAT, "run": run, **payload})
+    _prune([p for s, r, p in _checkpoints(directory) if r == run], keep_last)
     return path
 
 
-def save_stage_file(directory: str, index: int, payload: dict[str, Any], step: int, keep_last: int = 2) -> str:
-    """Write one stage's ``directory/step-NNNNNNNN.stage-K.pt`` (on its owner); keep the newest ``keep_last``."""
-    path = _atomic_save(directory, f"step-{step:08d}.stage-{index}.pt", {"format": STAGE_FORMAT, **payload})
-    pattern = re.compile(rf"step-(\d+)\.stage-{index}\.pt$")
-    found = sorted((int(m.group(1)), p) for p in glob.glob(os.path.join(directory, f"step-*.stage-{index}.pt"))
-                   if (m := pattern.search(p)))
-    for _, old in found[:-keep_last] if keep_last > 0 else []:
-        os.remove(old)
+def save_stage_file(directory: str, index: int, payload: dict[str, Any], step: int, keep_last: int = 2,
+                    run: str | None = None) -> str:
+    """Write one stage's ``directory/step-NNNNNNNN.RUN.stage-K.pt`` (on its owner); keep run ``run``'s newest ``keep_last``."""
+    path = _atomic_save(directory, f"{_stem(step, run)}.stage-{index}.pt",
+                        {"format": STAGE_FORMAT, "run": run, **payload})
+    found = sorted((int(m.group(1)), os.path.join(directory, f)) for f in os.listdir(directory)
+                   if (m := _STAGE_NAME.match(f)) and m.group(2) == run and int(m.group(3)) == index)
+    _prune([p for _, p in found], keep_last)
     return path
+
+
+def _prune(paths: list[str], keep_last: int) -> None:
+    for old in paths[:-keep_last] if keep_last > 0 else []:
+        os.remove(old)
 
 
 def _atomic_save(directory: str, name: str, payload: dict[str, Any]) -> str:
@@ -69,24 +97,51 @@ def _atomic_save(directory: str, name: str, payload: dict[str, Any]) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(directory)  # the rename is on disk before any older checkpoint is pruned
     except BaseException as exc:
         written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        free = shutil.disk_usage(directory).free
+        free = shutil.disk_usage(directory).free  # before the partial file is removed: what the write left
         if os.path.exists(tmp):
             os.remove(tmp)
+        cause = _os_error(exc)
+        if cause is None:
+            raise  # a pickling error, Ctrl-C: reported as what it is
         previous = latest_checkpoint(directory)
-        raise CheckpointError(
+        full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise CheckpointWriteError(
             f"writing checkpoint {path} failed after {written / 2**20:.1f} MiB with {free / 2**20:.1f} MiB "
-            f"left on that disk: {type(exc).__name__}: {exc}; the previous checkpoint "
-            f"{previous or '(none)'} is intact. Free space in {directory} or point --checkpoint-dir "
-            f"elsewhere, then resume"
+            f"left on that disk: {type(cause).__name__}: {cause}; the previous checkpoint {previous or '(none)'} is intact. "
+            + (f"Free space in {directory} or point --checkpoint-dir elsewhere, then resume" if full
+               else "Check that the directory is writable and its device healthy, then resume")
         ) from exc
     return path
 
 
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``, if any (torch.save's zip writer re-raises a failed write as
+    a RuntimeError while closing the file)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, OSError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def latest_checkpoint(directory: str) -> str | None:
+    """The consolidated checkpoint written last in ``directory`` (of whichever run), or None."""
     found = _checkpoints(directory)
-    return found[-1] if found else None
+    if not found:
+        return None
+    return max(found, key=lambda f: (os.stat(f[2]).st_mtime_ns, f[0]))[2]
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
@@ -99,8 +154,14 @@ def load_checkpoint(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
+        payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same to the user
+        if "Weights only load failed" in str(exc):
+            raise CheckpointError(
+                f"{path} holds objects other than tensors and plain values, which rpcmp refuses to load: loading "
+                f"them could run any code the file carries. rpcmp writes no such checkpoint; if you wrote this "
+                f"file yourself and trust it, load it with torch.load(weights_only=False)"
+            ) from None
         raise CheckpointError(
             f"checkpoint {path} is truncated or not a checkpoint ({type(exc).__name__}: {exc}); "
             f"delete it to resume from the one before"
@@ -127,6 +188,10 @@ def check_model_keys(checkpoint: dict[str, Any], model_keys, what: str = "the mo
         raise CheckpointError(f"checkpoint {checkpoint.get('path', '')} has other shapes for {sorted(mismatched)[:5]}")
 
 
-def _checkpoints(directory: str) -> list[str]:
-    paths = [p for p in glob.glob(os.path.join(directory, "step-*.pt")) if _NAME.search(p)]
-    return sorted(paths, key=lambda p: int(_NAME.search(p).group(1)))
+def _checkpoints(directory: str) -> list[tuple[int, str | None, str]]:
+    """``(step, run, path)`` of every consolidated checkpoint in ``directory``, by step."""
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), m.group(2), os.path.join(directory, f)) for f in os.listdir(directory)
+             if (m := _NAME.match(f))]
+    return sorted(found, key=lambda f: f[0])

@@ -69,8 +69,14 @@ def job_options(fn):
         except RpcmpError as exc:
             Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}",
                                        highlight=False, soft_wrap=True)
-            sys.exit(2 if isinstance(exc, ValueError) else 1)  # 2: a mistake in the input; 1: a failure
+            sys.exit(exit_code(exc))
     return wrapper
+
+
+def exit_code(exc: RpcmpError) -> int:
+    """2 for a mistake in the input (a ValueError: the job, the declaration, a checkpoint of another
+    model), 1 for a run that failed (a stage, a lost worker, a checkpoint that could not be written)."""
+    return 2 if isinstance(exc, ValueError) else 1
 
 
 @click.group()

@@ -1,6 +1,7 @@
 """Typed errors for user mistakes. Each message says what was expected, what was got, and the fix."""
 
-__all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError", "NonFiniteLossError"]
+__all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError",
+           "NonFiniteLossError", "CheckpointError", "CheckpointWriteError"]
 
 
 class RpcmpError(Exception):
@@ -33,3 +34,12 @@ class StageOutputError(MicroBatchError):
 
 class NonFiniteLossError(RpcmpError, ArithmeticError):
     """The loss became NaN or infinite (Job.nonfinite='stop')."""
+
+
+class CheckpointError(RpcmpError, ValueError):
+    """A checkpoint cannot be read, or does not fit the model or the run."""
+
+
+class CheckpointWriteError(RpcmpError, OSError):
+    """A checkpoint could not be written (a full disk, a failing device): a run failure, not a
+    mistake in the input; the previous checkpoint is intact."""

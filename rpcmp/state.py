@@ -43,11 +43,11 @@ class PipelineState:
         wait_all([rpc.rpc_async(r.owner(), _load_optimizer_state, args=(self.pid, r, state))
                   for r in self._remote_optimizers])
 
-    def save_stage_files(self, directory: str, step: int, keep_last: int) -> list[str]:
-        """Each owner writes its stages' own checkpoint files, on its node."""
+    def save_stage_files(self, directory: str, step: int, keep_last: int, run: str | None = None) -> list[str]:
+        """Each owner writes its stages' own checkpoint files of run ``run``, on its node."""
         optims = {r.owner().name: r for r in self._remote_optimizers}
         return wait_all([rpc.rpc_async(p.process, _save_stage,
-                                       args=(self.pid, i, optims.get(p.process), directory, step, keep_last))
+                                       args=(self.pid, i, optims.get(p.process), directory, step, keep_last, run))
                          for i, p in enumerate(self.places)])
 
     def rng_state(self) -> dict[str, Any]:
@@ -124,7 +124,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, keep_last: int) -> str:
+def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, keep_last: int, run: str | None) -> str:
     """Write this stage's own checkpoint file here, on its owner (see rpcmp/checkpoint.py)."""
     from .checkpoint import save_stage_file
     host = _HOSTS[(pid, index)]
@@ -133,4 +133,4 @@ def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, kee
         "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
         "model": _cpu_state(host),
         "optimizer": _optimizer_state(pid, optim_rref, names) if optim_rref is not None else {},
-    }, step, keep_last)
+    }, step, keep_last, run)

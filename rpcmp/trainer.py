@@ -12,7 +12,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from torch.utils.data import DataLoader
 
-from .checkpoint import CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, model_fingerprint,
+                         new_run_id, save_checkpoint)
 from . import health
 from .errors import JobError
 from .hparams import load_scheduler_state, scheduler_state
@@ -39,7 +40,8 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
 
 def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) -> dict[str, Any]:
     total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
-    step, epoch, first_batch = _resume(job, engine, console) if job.resume else (0, 0, 0)
+    step, epoch, first_batch, run = _resume(job, engine, console) if job.resume else (0, 0, 0, None)
+    run = run or new_run_id()  # see rpcmp/checkpoint.py: a run prunes only its own checkpoints
     before = engine.evaluate(heldout) if heldout is not None and job.metric else None
     if before is not None:
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
@@ -71,7 +73,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                                 rate=samples / (time.perf_counter() - start))
                 position = (epoch, k + 1) if k + 1 < steps else (epoch + 1, 0)
                 if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
-                    saved = _save(job, engine, step, *position)
+                    saved = _save(job, engine, run, step, *position)
                 if step >= total:
                     break
             finished = position[0] > epoch and step < total  # a whole epoch ended and training goes on
@@ -82,9 +84,9 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                       heldout_metric=heldout_metric, **engine.epoch_metrics())
             epoch, first_batch = position
             if job.checkpoint_dir and not job.checkpoint_every and saved != step:
-                saved = _save(job, engine, step, epoch, first_batch)
+                saved = _save(job, engine, run, step, epoch, first_batch)
     if job.checkpoint_dir and saved != step:
-        _save(job, engine, step, epoch, first_batch)
+        _save(job, engine, run, step, epoch, first_batch)
     elapsed = time.perf_counter() - start
     tracer.finish(console)
     after = engine.evaluate(heldout) if before is not None else None
@@ -287,31 +289,37 @@ def data_loader(dataset, **kwargs) -> DataLoader:
     return DataLoader(dataset, generator=torch.Generator(), **kwargs)
 
 
-def _save(job, engine, step: int, epoch: int, next_batch: int) -> int:
+def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
     rng = engine.rng_state()  # DDP: a collective, so every rank takes part
     if not engine.is_main:  # DDP: every rank holds the same state; rank 0 writes it
         return step
     cls, _ = job.optimizer
     if engine.mode == "pipeline":
-        engine.pipe.save_stage_files(job.checkpoint_dir, step, job.keep_last)
+        engine.pipe.save_stage_files(job.checkpoint_dir, step, job.keep_last, run)
+    model = engine.state_dict()
     health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
-        "mode": engine.mode, "model": engine.state_dict(),
+        "mode": engine.mode, "model": model, "fingerprint": model_fingerprint(model),
         "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},
         "scheduler": engine.scheduler_state() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
         "rng": rng, "loss_scale": getattr(engine, "loss_scale", None),
-    }, step, job.keep_last)
+    }, step, job.keep_last, run)
     return step
 
 
-def _resume(job, pipe, console: Console) -> tuple[int, int, int]:
+def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
+    """Load the checkpoint written last in the folder; return (step, epoch, next batch, run it continues)."""
     if not job.checkpoint_dir:
         raise JobError("resume needs a checkpoint directory: pass --checkpoint-dir DIR (or Job.checkpoint_dir)")
     if latest_checkpoint(job.checkpoint_dir) is None:
         console.print(f"no checkpoint in {job.checkpoint_dir} yet: starting from step 0")
-        return 0, 0, 0
+        return 0, 0, 0, None
     ckpt = load_checkpoint(job.checkpoint_dir)
-    check_model_keys(ckpt, pipe.state_dict(), "this job's model")
+    model = pipe.state_dict()
+    check_model_keys(ckpt, model, "this job's model")
+    if ckpt.get("fingerprint") not in (None, model_fingerprint(model)):
+        raise CheckpointError(f"checkpoint {ckpt['path']} is from another model than this job's (its keys, shapes or "
+                              f"dtypes differ): point --checkpoint-dir at this job's checkpoints, or start without --resume")
     cls, _ = job.optimizer
     if ckpt["optimizer"]["class"] != cls.__name__:
         raise CheckpointError(f"checkpoint {ckpt['path']} holds {ckpt['optimizer']['class']} state but the job uses "
@@ -323,10 +331,11 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int]:
     rng = pipe.load_rng_state(ckpt.get("rng")) if ckpt["mode"] == pipe.mode else False
     if ckpt.get("loss_scale") and getattr(pipe, "loss_scale", None):
         pipe.loss_scale = ckpt["loss_scale"]
-    console.print(f"resumed from {ckpt['path']} (step {ckpt['step']}, written in {ckpt['mode']} mode)"
+    run = ckpt.get("run")
+    console.print(f"resumed run {run or '(unnamed)'} at step {ckpt['step']} from {ckpt['path']} (written in {ckpt['mode']} mode)"
                   + ("" if rng else "; random number generators start afresh (saved in the other mode, or with other stages "
                                     "or ranks on each process), so dropout draws other masks than an uninterrupted run would"))
-    return ckpt["step"], ckpt["epoch"], ckpt["next_batch"]
+    return ckpt["step"], ckpt["epoch"], ckpt["next_batch"], run
 
 
 def sample_batch(job) -> Any:

@@ -35,8 +35,10 @@ def test_train_2n_equals_n_save_restore_n_under_another_split(tmp_path, first, s
                                        "resume": True}) == 10
     a, b = load_checkpoint(straight), load_checkpoint(split)
     assert a["step"] == b["step"] == 10
+    run = a["run"]
     assert sorted(p for p in os.listdir(straight) if ".stage-" in p) == \
-        [f"step-{s:08d}.stage-{i}.pt" for s in (9, 10) for i in range(len(first))]  # keep_last=2 per stage
+        [f"step-{s:08d}.{run}.stage-{i}.pt" for s in (9, 10) for i in range(len(first))]  # keep_last=2 per stage
+    assert b["run"] == load_checkpoint(split + f"/step-00000005.{b['run']}.pt")["run"]  # resume continues the run
     assert_close(b["model"], a["model"])
     assert_close(b["optimizer"]["state"], a["optimizer"]["state"])
     # and the consolidated state is the plain model's
@@ -56,12 +58,52 @@ def test_resume_restores_every_process_rng_so_dropout_resumes_exactly(tmp_path):
     assert_close(b["model"], a["model"])
 
 
+def _fit_and_say(job, world_size):
+    import io
+    from rich.console import Console
+    out = io.StringIO()
+    steps = fit(job, world_size, console=Console(file=out, width=300))["steps"]
+    return steps, out.getvalue()
+
+
+@pytest.mark.timeout(300)
+def test_a_second_run_in_the_same_folder_keeps_both_runs_and_resume_continues_the_last(tmp_path):
+    folder = str(tmp_path)
+    assert run_ranks("mlp", 3, _fit, {"checkpoint_dir": folder, "max_steps": 40, "checkpoint_every": 20, "epochs": 2})
+    first = load_checkpoint(folder)
+    assert run_ranks("mlp", 3, _fit, {"checkpoint_dir": folder, "max_steps": 10, "checkpoint_every": 5})
+    second = load_checkpoint(folder)  # the folder's latest is the run written last, not the higher step
+    assert second["run"] != first["run"] and second["step"] == 10
+    a, b = first["run"], second["run"]
+    assert sorted(os.listdir(folder)) == sorted(
+        [f"step-{s:08d}.{a}.pt" for s in (20, 40)] + [f"step-{s:08d}.{a}.stage-{i}.pt" for s in (20, 40) for i in (0, 1)]
+        + [f"step-{s:08d}.{b}.pt" for s in (5, 10)] + [f"step-{s:08d}.{b}.stage-{i}.pt" for s in (5, 10) for i in (0, 1)])
+    steps, said = run_ranks("mlp", 3, _fit_and_say, {"checkpoint_dir": folder, "max_steps": 15, "resume": True})
+    assert steps == 15 and f"resumed run {b} at step 10" in said
+    assert load_checkpoint(folder)["run"] == b
+    assert os.path.exists(f"{folder}/step-00000040.{a}.pt")  # the other run's checkpoints are untouched
+
+
+def _fit_or_say(job, world_size):
+    try:
+        return fit(job, world_size)["steps"]
+    except rpcmp.CheckpointError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(300)
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path):
+    assert run_ranks("mlp", 3, _fit, {"checkpoint_dir": str(tmp_path), "max_steps": 2})
+    said = run_ranks("dropout", 3, _fit_or_say, {"checkpoint_dir": str(tmp_path), "max_steps": 4, "resume": True})
+    assert "is from another model than this job's model" in said and "4 unexpected keys ['1.bias'" in said
+
+
 def _train_and_save(job, world_size):
     pipe = rpcmp.Pipeline(job, world_size)
     x, y = next(iter(torch.utils.data.DataLoader(job.data()[0], batch_size=4)))
     pipe.train_step(x, y)
     pipe.eval()
-    _save(job, PipelineEngine(pipe, job), 1, 0, 1)
+    _save(job, PipelineEngine(pipe, job), "ab12", 1, 0, 1)
     return x, pipe.predict(x)
 
 
@@ -76,7 +118,7 @@ def test_split_unet_checkpoint_loads_into_plain_unet(tmp_path):
         assert_close(plain(x), split_out)
     # and each owner wrote its own stage's file, which loads into that part of the plain model
     for index, name in enumerate(["encoder", "decoder", "segmentation_head"]):
-        stage = torch.load(tmp_path / f"step-00000001.stage-{index}.pt", weights_only=False)
+        stage = torch.load(tmp_path / f"step-00000001.ab12.stage-{index}.pt", weights_only=True)
         assert (stage["format"], stage["stage"], stage["step"], stage["owner"]) == \
             ("rpcmp-stage/1", index, 1, ["worker1/cpu", "worker2/cpu", "master/cpu"][index])
         part = getattr(smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1), name)

@@ -53,7 +53,7 @@ def test_worker_killed_once_under_torchrun_max_restarts(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
-    assert "resumed from" in out, out
+    assert "resumed run" in out, out
     a, b = load_checkpoint(clean), load_checkpoint(faulty)
     assert a["step"] == b["step"] == STEPS
     assert_close(b["model"], a["model"])

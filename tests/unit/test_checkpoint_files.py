@@ -4,7 +4,8 @@ import subprocess
 import pytest
 import torch
 
-from rpcmp.checkpoint import CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, save_checkpoint
+from rpcmp.checkpoint import (CheckpointError, CheckpointWriteError, check_model_keys, latest_checkpoint, load_checkpoint,
+                              save_checkpoint, save_stage_file)
 
 
 def test_keep_last_and_latest(tmp_path):
@@ -48,7 +49,58 @@ def tiny_disk(tmp_path):
 
 def test_full_disk_during_save_keeps_the_previous_checkpoint(tiny_disk):
     save_checkpoint(tiny_disk, {"model": {"w": torch.ones(10)}, "step": 1}, 1)
-    with pytest.raises(CheckpointError, match=r"with 0.0 MiB left on that disk.*previous checkpoint .*step-00000001.pt is intact"):
+    with pytest.raises(CheckpointWriteError, match=r"with 0.0 MiB left on that disk: OSError: .*No space left.*previous checkpoint "
+                       r".*step-00000001.pt is intact. Free space"):
         save_checkpoint(tiny_disk, {"model": {"w": torch.ones(1_000_000)}, "step": 2}, 2)
     assert os.listdir(tiny_disk) == ["step-00000001.pt"]
     assert load_checkpoint(tiny_disk)["step"] == 1
+
+
+def test_a_run_prunes_only_its_own_checkpoints_and_the_latest_is_the_last_written(tmp_path):
+    d = str(tmp_path)
+    for step in (20, 40):
+        save_checkpoint(d, {"model": {}, "step": step}, step, keep_last=2, run="aaaa")
+        save_stage_file(d, 0, {"model": {}, "step": step}, step, keep_last=2, run="aaaa")
+    for step in (5, 10, 15):
+        save_checkpoint(d, {"model": {}, "step": step}, step, keep_last=2, run="bbbb")
+        save_stage_file(d, 0, {"model": {}, "step": step}, step, keep_last=2, run="bbbb")
+        assert latest_checkpoint(d).endswith(f"step-{step:08d}.bbbb.pt")  # not run aaaa's step 40
+    assert sorted(os.listdir(d)) == [
+        "step-00000010.bbbb.pt", "step-00000010.bbbb.stage-0.pt", "step-00000015.bbbb.pt", "step-00000015.bbbb.stage-0.pt",
+        "step-00000020.aaaa.pt", "step-00000020.aaaa.stage-0.pt", "step-00000040.aaaa.pt", "step-00000040.aaaa.stage-0.pt"]
+    assert load_checkpoint(d)["run"] == "bbbb"
+
+
+def test_a_planted_checkpoint_cannot_run_code(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path}/owned",))
+    torch.save({"format": "rpcmp-checkpoint/1", "model": {}, "x": Payload()}, tmp_path / "step-00000099.pt")
+    with pytest.raises(CheckpointError, match="refuses to load"):
+        load_checkpoint(str(tmp_path))
+    assert not os.path.exists(tmp_path / "owned")
+
+
+def test_the_directory_is_flushed_after_the_rename_and_before_pruning(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_remove, real_replace = os.fsync, os.remove, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}"))), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", b)), real_replace(a, b)))
+    monkeypatch.setattr(os, "remove", lambda p: (events.append(("remove", p)), real_remove(p)))
+    save_checkpoint(str(tmp_path), {"model": {}}, 1, keep_last=1, run="ab")
+    events.clear()
+    save_checkpoint(str(tmp_path), {"model": {}}, 2, keep_last=1, run="ab")
+    kinds = [e[0] if e[0] != "fsync" else ("fsync dir" if e[1] else "fsync file") for e in events]
+    assert kinds == ["fsync file", "replace", "fsync dir", "remove"], events
+
+
+def test_only_a_failed_write_is_reported_as_one(tmp_path):
+    with pytest.raises(AttributeError, match="pickle"):  # an unpicklable value is reported as what it is
+        save_checkpoint(str(tmp_path), {"model": {}, "bad": lambda: None}, 1)
+    assert os.listdir(tmp_path) == []  # and leaves no partial file
+
+
+def test_a_failed_write_is_a_run_failure_exit_1_not_an_input_mistake_exit_2():
+    from rpcmp.cli import exit_code
+    assert exit_code(CheckpointWriteError("disk full")) == 1
+    assert exit_code(CheckpointError("another model")) == 2
