@@ -5,13 +5,24 @@
 
 [Note: how a daemon joins a job]
 The master publishes the job (its id, world size, the job file and the ``.py`` files
-beside it, the overrides) on a small TCP store at PORT + 1, bytes only, nothing
-unpickled. A daemon sends a fresh random challenge; the master answers with
-HMAC-SHA256(token, challenge); a daemon whose token gives another answer refuses the
-job and keeps waiting, so it never runs a stranger's code. It then starts a fresh
-child process for the job (``run_rank`` with the job's rank and world size, RPC on
-PORT) and, when the job ends or its master dies, waits for the next one. SIGTERM stops
-the child and the daemon.
+beside it, the overrides) on a small TCP store at PORT + 1, as JSON bytes, nothing
+unpickled. Anyone who reaches that port can read and write the store, so nothing in it
+is trusted until proven:
+
+- A daemon reads the offer once and checks its form (plain ``.py`` base names only, the
+  fields and types it expects); a malformed offer is logged and refused, and the daemon
+  keeps serving.
+- It sends a fresh random challenge; the master answers with
+  HMAC-SHA256(token, challenge + SHA-256 of the offer bytes *it* published). The daemon
+  computes the same over the bytes *it* read: an offer whose files were swapped under
+  the job's id, a replayed answer or a guessed token all fail, and the daemon runs
+  nothing of it.
+- Its ``ready`` is HMAC-SHA256(token, job id + rank + its challenge): the master starts
+  the job only when every rank's ``ready`` proves the token.
+
+It then starts a fresh child process for the job (``run_rank`` with the job's rank and
+world size, RPC on PORT) and, when the job ends or its master dies, waits for the next
+one. SIGTERM stops the child and the daemon.
 """
 from __future__ import annotations
 
@@ -21,6 +32,7 @@ import hmac
 import json
 import multiprocessing as mp
 import os
+import re
 import secrets
 import signal
 import socket
@@ -41,8 +53,62 @@ __all__ = ["serve_forever", "publish_job"]
 _KEY = "rpcmp/job"
 
 
-def _answer(token: str, challenge: str) -> str:
-    return hmac.new(token.encode(), challenge.encode(), hashlib.sha256).hexdigest()
+_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.py$")  # a plain base name: no folders, no "..", no hidden files
+_HEX = re.compile(r"^[0-9a-f]{16,64}$")
+
+
+def _mac(token: str, *parts: str | bytes) -> str:
+    mac = hmac.new(token.encode(), digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part if isinstance(part, bytes) else part.encode())
+        mac.update(b"\n")
+    return mac.hexdigest()
+
+
+def _answer(token: str, challenge: str, offer: bytes) -> str:
+    """What proves the token and binds the exact offer bytes: see [Note: how a daemon joins a job]."""
+    return _mac(token, "rpcmp-offer/2", challenge, hashlib.sha256(offer).hexdigest())
+
+
+def _ready(token: str, job_id: str, rank: int, challenge: str) -> str:
+    return _mac(token, "rpcmp-ready/2", job_id, str(rank), challenge)
+
+
+def _same(a: str, b: str) -> bool:
+    """Constant-time comparison of two hex strings; anything else (non-ASCII, junk) is simply unequal."""
+    return bool(_HEX.match(a)) and bool(_HEX.match(b)) and hmac.compare_digest(a, b)
+
+
+class OfferError(ValueError):
+    """An offer on the store that is not a well-formed rpcmp job."""
+
+
+def parse_offer(raw: bytes, rank: int) -> dict:
+    """The job offered in ``raw`` (the store's bytes), checked field by field; raise :class:`OfferError`."""
+    try:
+        job = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise OfferError(f"not JSON ({exc})") from None
+    if not isinstance(job, dict):
+        raise OfferError(f"expected a JSON object, got {type(job).__name__}")
+    want = {"id": str, "world_size": int, "job": str, "files": dict, "overrides": dict, "rpc_port": int}
+    for key, kind in want.items():
+        if not isinstance(job.get(key), kind) or isinstance(job.get(key), bool):
+            raise OfferError(f"field {key!r} must be a {kind.__name__}, got {job.get(key)!r:.60}")
+    if not _HEX.match(job["id"]):
+        raise OfferError(f"job id must be 16-64 hex digits, got {job['id']!r:.60}")
+    if not 1 <= rank < job["world_size"] <= 4096 or not 0 < job["rpc_port"] < 65536:
+        raise OfferError(f"world size {job['world_size']} / RPC port {job['rpc_port']} do not fit rank {rank}")
+    for name, data in job["files"].items():
+        if not _FILE.match(name):
+            raise OfferError(f"file name {name!r:.60} is not a plain .py base name")
+        try:
+            job["files"][name] = base64.b64decode(data, validate=True)
+        except (TypeError, ValueError) as exc:
+            raise OfferError(f"file {name!r} is not base64 ({exc})") from None
+    if job["job"] not in job["files"]:
+        raise OfferError(f"the job file {job['job']!r:.60} is not among the offered files")
+    return job
 
 
 def read_token(token: str | None, token_file: str | None) -> str:
@@ -68,18 +134,25 @@ def publish_job(job_file: str, workers: int, host: str, port: int, token: str, o
     folder = os.path.dirname(os.path.abspath(job_file))
     files = {n: base64.b64encode(open(os.path.join(folder, n), "rb").read()).decode()
              for n in os.listdir(folder) if n.endswith(".py")}
-    store.set(_KEY, json.dumps({"id": job_id, "world_size": workers + 1, "job": os.path.basename(job_file),
-                                "files": files, "overrides": overrides or {}, "rpc_port": port}))
+    offer = json.dumps({"id": job_id, "world_size": workers + 1, "job": os.path.basename(job_file),
+                        "files": files, "overrides": overrides or {}, "rpc_port": port}).encode()
+    store.set(_KEY, offer)
 
     # One loop answers every challenge: a TCPStore client is one socket, so no concurrent waits.
-    deadline, answered = time.monotonic() + join_timeout, set()
+    deadline, answered, joined = time.monotonic() + join_timeout, {}, set()
     ranks = range(1, workers + 1)
     while True:
         for r in ranks:
-            if r not in answered and store.check([f"{job_id}/challenge/{r}"]):
-                store.set(f"{job_id}/response/{r}", _answer(token, store.get(f"{job_id}/challenge/{r}").decode()))
-                answered.add(r)
-        missing = [r for r in ranks if not store.check([f"{job_id}/ready/{r}"])]
+            if r in joined:
+                continue
+            challenge = _read(store, f"{job_id}/challenge/{r}")
+            if challenge is not None and _HEX.match(challenge) and answered.get(r) != challenge:
+                store.set(f"{job_id}/response/{r}", _answer(token, challenge, offer))
+                answered[r] = challenge
+            ready = _read(store, f"{job_id}/ready/{r}")
+            if ready is not None and r in answered and _same(ready, _ready(token, job_id, r, answered[r])):
+                joined.add(r)  # a `ready` that does not prove the token is ignored
+        missing = [r for r in ranks if r not in joined]
         if not missing:
             break
         if time.monotonic() > deadline:
@@ -88,6 +161,16 @@ def publish_job(job_file: str, workers: int, host: str, port: int, token: str, o
                 f"--master {host}:{port} --rank R` running on their nodes, with the same token?")
         time.sleep(0.05)
     return store, rendezvous
+
+
+def _read(store, key: str) -> str | None:
+    """The store's value at ``key`` as text, or None if absent or not ASCII."""
+    if not store.check([key]):
+        return None
+    try:
+        return store.get(key).decode("ascii")
+    except UnicodeDecodeError:
+        return None
 
 
 # -- daemon side -------------------------------------------------------------------------
@@ -110,28 +193,19 @@ def serve_forever(master: str, rank: int, token: str, poll: float = 1.0) -> None
         offer = _next_offer(host, port + 1, done, stop, poll)
         if offer is None:
             continue
-        store, job = offer
-        done.add(job["id"])
-        challenge = secrets.token_hex(16)
+        store, raw = offer
+        done.add(hashlib.sha256(raw).hexdigest())  # this exact offer is looked at once
         try:
-            store.set(f"{job['id']}/challenge/{rank}", challenge)
-            store.wait([f"{job['id']}/response/{rank}"], timedelta(seconds=30))
-            answer = store.get(f"{job['id']}/response/{rank}").decode()
-        except Exception as exc:  # noqa: BLE001
-            _log(f"job {job['id'][:8]}: no answer to the token challenge ({exc}); waiting for the next job")
-            continue
-        if not hmac.compare_digest(answer, _answer(token, challenge)):
-            _log(f"job {job['id'][:8]} from {host}: wrong job token, refused")
-            continue
-        folder = tempfile.mkdtemp(prefix=f"rpcmp-job-{job['id'][:8]}-")
-        for name, data in job["files"].items():
-            with open(os.path.join(folder, name), "wb") as f:
-                f.write(base64.b64decode(data))
-        store.set(f"{job['id']}/ready/{rank}", "1")
+            job = _accept(store, raw, rank, token, host)
+        except Exception as exc:  # noqa: BLE001 - nothing a peer writes may stop the daemon
+            _log(f"offer refused: {type(exc).__name__}: {exc}")
+            job = None
         del store
+        if job is None:
+            continue
         _log(f"job {job['id'][:8]}: serving rank {rank} of {job['world_size']}")
         proc = mp.get_context("spawn").Process(
-            target=_serve_job, args=(os.path.join(folder, job["job"]), rank, job["world_size"], host,
+            target=_serve_job, args=(job["path"], rank, job["world_size"], host,
                                      job["rpc_port"], job["overrides"] or None), name=f"rpcmp-job-{job['id'][:8]}")
         child[0] = proc
         proc.start()
@@ -139,6 +213,34 @@ def serve_forever(master: str, rank: int, token: str, poll: float = 1.0) -> None
         child[0] = None
         _log(f"job {job['id'][:8]}: ended (exit {proc.exitcode}); waiting for the next job")
     _log("worker daemon stopped")
+
+
+def _accept(store, raw: bytes, rank: int, token: str, host: str) -> dict | None:
+    """Check the offer's form and the master's proof of the token over these exact bytes; write
+    the job's files into a fresh folder and answer ``ready``. None: refused (logged)."""
+    try:
+        job = parse_offer(raw, rank)
+    except OfferError as exc:
+        _log(f"malformed job offer from {host} refused: {exc}")
+        return None
+    challenge = secrets.token_hex(16)
+    try:
+        store.set(f"{job['id']}/challenge/{rank}", challenge)
+        store.wait([f"{job['id']}/response/{rank}"], timedelta(seconds=30))
+        answer = store.get(f"{job['id']}/response/{rank}").decode("ascii", errors="replace")
+    except Exception as exc:  # noqa: BLE001
+        _log(f"job {job['id'][:8]}: no answer to the token challenge ({exc}); waiting for the next job")
+        return None
+    if not _same(answer, _answer(token, challenge, raw)):
+        _log(f"job {job['id'][:8]} from {host}: wrong job token or an altered offer, refused")
+        return None
+    folder = tempfile.mkdtemp(prefix=f"rpcmp-job-{job['id'][:8]}-")
+    for name, data in job["files"].items():  # plain base names (parse_offer): nothing lands outside the folder
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    job["path"] = os.path.join(folder, job["job"])
+    store.set(f"{job['id']}/ready/{rank}", _ready(token, job["id"], rank, challenge))
+    return job
 
 
 def _supervise(proc, host: str, offer_port: int, job_id: str, grace: int = 3) -> None:
@@ -179,14 +281,14 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
         return None
     try:
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
-        job = json.loads(store.get(_KEY))
+        raw = store.get(_KEY)
     except Exception:  # noqa: BLE001 - no master yet: keep waiting
         stop.wait(poll)
         return None
-    if job["id"] in done:
+    if hashlib.sha256(raw).hexdigest() in done:
         stop.wait(poll)
         return None
-    return store, job
+    return store, raw
 
 
 def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides) -> None:

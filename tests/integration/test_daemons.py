@@ -15,8 +15,8 @@ pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 
 
-def _master(port, token_file, *args, timeout=120, **kw):
-    return subprocess.Popen([RPCMP, "run", job_path("mlp"), "--workers", "2", "--listen", f"127.0.0.1:{port}",
+def _master(port, token_file, *args, workers=2, **kw):
+    return subprocess.Popen([RPCMP, "run", job_path("mlp"), "--workers", str(workers), "--listen", f"127.0.0.1:{port}",
                              "--token-file", str(token_file), *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
@@ -63,4 +63,103 @@ def test_daemons_serve_jobs_survive_a_dead_master_and_refuse_strangers(tmp_path)
     text = open(tmp_path / "worker1.log").read()
     assert text.count("serving rank 1 of 3") == 4  # two jobs, the one whose master died, the third
     assert text.count("ended (exit 0)") >= 3
-    assert "wrong job token, refused" in text and "worker daemon stopped" in text
+    assert "wrong job token or an altered offer, refused" in text and "worker daemon stopped" in text
+
+
+def _daemon(port, token_file, log):
+    return subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", "1", "--token-file",
+                             str(token_file)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=log.name.rsplit("/", 1)[0])
+
+
+def _wait_log(path, text, count=1, timeout=30):
+    deadline = time.monotonic() + timeout
+    while open(path).read().count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} not logged: {open(path).read()}"
+        time.sleep(0.1)
+
+
+def _offer(files, job="job.py", **fields):
+    import base64
+    import json
+    return json.dumps({"id": "ab" * 16, "world_size": 2, "job": job, "rpc_port": 1234, "overrides": {},
+                       "files": {n: base64.b64encode(c.encode()).decode() for n, c in files.items()}, **fields})
+
+
+def _wait_offer(port, master):
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client = dist.TCPStore("127.0.0.1", port + 1, is_master=False, timeout=timedelta(seconds=2))
+            return client, json.loads(client.get("rpcmp/job"))
+        except Exception:  # noqa: BLE001 - the master is not up yet
+            assert time.monotonic() < deadline and master.poll() is None
+            time.sleep(0.05)
+
+
+@pytest.mark.timeout(300)
+def test_a_daemon_refuses_every_forged_offer_stays_up_and_then_serves_an_honest_job(tmp_path):
+    """Attacks from a plain TCPStore client that reaches PORT + 1 but lacks the token."""
+    import base64
+    import json
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    port = free_port()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    marker = tmp_path / "pwned"
+    evil = f"import pathlib; pathlib.Path({str(marker)!r}).write_text('ran')\n"
+    work = tmp_path / "daemon"
+    work.mkdir()
+    log_path = work / "worker1.log"
+    log = open(log_path, "w")
+    # 1: a real master's offer, whose job file a stranger swaps under the same job id, and a forged `ready`
+    master = _master(port, token, "--max-steps", "5", workers=1, env={**os.environ, "RPCMP_CONNECT_TIMEOUT": "8"})
+    client, real = _wait_offer(port, master)
+    real["files"][real["job"]] = base64.b64encode(evil.encode()).decode()
+    client.set("rpcmp/job", json.dumps(real))
+    client.set(f"{real['id']}/ready/1", "1")
+    daemon = _daemon(port, token, log)  # the daemon reads the swapped offer
+    try:
+        out, _ = master.communicate(timeout=60)
+        assert master.returncode != 0 and "did not join within 8s" in out, out  # the forged ready did not count
+        _wait_log(log_path, "wrong job token or an altered offer, refused")
+        # 2: a stranger hosts the offer port himself (no master is up) and offers junk
+        fake = dist.TCPStore("127.0.0.1", port + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+        attacks = [
+            ("{}", "field 'id' must be a str"),
+            (_offer({"../x.py": evil}, job="../x.py"), "'../x.py' is not a plain .py base name"),
+            (_offer({"/tmp/x.py": evil}, job="/tmp/x.py"), "'/tmp/x.py' is not a plain .py base name"),
+            (b"\xff\xfe not json", "not JSON"),
+            (_offer({"job.py": evil}, id="cd" * 16), "job cdcdcdcd from 127.0.0.1: wrong job token"),  # a non-ASCII answer
+        ]
+        for i, (offer, said) in enumerate(attacks):
+            fake.set("rpcmp/job", offer)
+            if i == len(attacks) - 1:
+                deadline = time.monotonic() + 20
+                while not fake.check([f"{'cd' * 16}/challenge/1"]):
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+                fake.set(f"{'cd' * 16}/response/1", "é" * 64)
+            _wait_log(log_path, said)
+            assert daemon.poll() is None, open(log_path).read()
+        del fake
+        time.sleep(1.5)
+        # 3: the same daemon is still up and serves an honest job
+        out, _ = _master(port, token, "--max-steps", "5", workers=1).communicate(timeout=120)
+        assert "steps 5" in out, out
+        assert daemon.poll() is None
+    finally:
+        if daemon.poll() is None:
+            os.killpg(daemon.pid, signal.SIGKILL)
+        if master.poll() is None:
+            os.killpg(master.pid, signal.SIGKILL)
+        log.close()
+    assert not marker.exists()
+    assert not os.path.exists("/tmp/x.py") and not (tmp_path / "x.py").exists() and sorted(os.listdir(work)) == ["worker1.log"]
+    text = open(log_path).read()
+    assert text.count("serving rank 1") == 1 and "Traceback" not in text, text
