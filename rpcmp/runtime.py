@@ -187,7 +187,8 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=loop, daemon=True, name="rpcmp-parent-watch").start()
 
 
-_LOCAL_ENV = {"TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+# A local run talks on loopback only, whatever RPCMP_IFACE / --iface say (they are for multi-node runs).
+_LOCAL_ENV = {"RPCMP_IFACE": "lo", "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
 def _local_child(job_path, rank, world_size, port, overrides, main, results, parent):

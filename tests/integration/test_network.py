@@ -103,3 +103,37 @@ def test_port_in_use():
         proc = _master({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert proc.returncode == 1
     assert f"port {port} on 127.0.0.1 is in use" in proc.stderr
+
+
+def _train_and_list_sockets(job, world_size):
+    import rpcmp
+    pipe = rpcmp.Pipeline(job, world_size)
+    x, y = job.data()[0][:8]
+    pipe.train_step(x, y)
+    listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    pipe.close()
+    return listening
+
+
+@needs_netns
+@pytest.mark.timeout(180)
+def test_a_local_run_listens_on_loopback_only_even_with_an_interface_named():
+    # In a namespace of its own with a second interface, so that nothing reaches beyond this test.
+    ns = f"rpcmp-lo-{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        for cmd in (["link", "set", "lo", "up"], ["link", "add", "eth9", "type", "veth", "peer", "name", "eth8"],
+                    ["addr", "add", "10.233.7.1/24", "dev", "eth9"], ["link", "set", "eth9", "up"], ["link", "set", "eth8", "up"]):
+            subprocess.run(["ip", "-n", ns, *cmd], check=True)
+        code = ("import sys; sys.path[:0] = [%r, %r]; from helpers import job_path; import test_network as t; "
+                "from rpcmp.runtime import launch_local; "
+                "print(launch_local(job_path('mlp'), 3, t._train_and_list_sockets, timeout=120, master_in_process=False))"
+                % (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__)))
+        proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=150, env={**os.environ, "RPCMP_IFACE": "eth9"})
+    finally:
+        subprocess.run(["ip", "netns", "del", ns])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    addrs = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("LISTEN")]
+    assert len(addrs) >= 4, proc.stdout  # the store and each process's TensorPipe listener
+    assert all(a.rsplit(":", 1)[0] in ("127.0.0.1", "[::ffff:127.0.0.1]") for a in addrs), addrs
