@@ -6,7 +6,7 @@ Declare stages in a job file, then launch it::
     torchrun --nnodes=3 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
         -m rpcmp.master examples/unet_split/job.py
 """
-from .errors import (CheckpointError, CheckpointWriteError, JobError, MicroBatchError, NonFiniteLossError, PartitionError,
+from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NonFiniteLossError, PartitionError,
                      PlacementError, RpcmpError, StageError, StageOutputError)
 from .job import Job, load_job
 from .partition import Split
@@ -15,6 +15,6 @@ from .pipeline import Pipeline
 __all__ = [
     "Job", "Split", "Pipeline", "load_job",
     "RpcmpError", "JobError", "NonFiniteLossError", "PartitionError", "PlacementError", "MicroBatchError", "StageError", "StageOutputError",
-    "CheckpointError", "CheckpointWriteError",
+    "CheckpointError", "CheckpointWriteError", "LaunchError",
 ]
 __version__ = "0.1.0"

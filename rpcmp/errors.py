@@ -1,7 +1,7 @@
 """Typed errors for user mistakes. Each message says what was expected, what was got, and the fix."""
 
 __all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError",
-           "NonFiniteLossError", "CheckpointError", "CheckpointWriteError"]
+           "NonFiniteLossError", "CheckpointError", "CheckpointWriteError", "LaunchError"]
 
 
 class RpcmpError(Exception):
@@ -43,3 +43,7 @@ class CheckpointError(RpcmpError, ValueError):
 class CheckpointWriteError(RpcmpError, OSError):
     """A checkpoint could not be written (a full disk, a failing device): a run failure, not a
     mistake in the input; the previous checkpoint is intact."""
+
+
+class LaunchError(RpcmpError, RuntimeError):
+    """A process of a local run died or failed before joining the job; the message names its rank and why."""

@@ -78,3 +78,46 @@ def test_local_run_listens_on_loopback_only():
         os.killpg(proc.pid, signal.SIGKILL)
     assert len(listening) >= 4, listening
     assert all(addr.startswith("127.0.0.1:") for addr in listening), listening
+
+
+@pytest.mark.timeout(120)
+def test_a_child_that_dies_at_start_up_ends_the_local_run_at_once():
+    start = time.monotonic()
+    proc = _run([os.path.join(BIN, "rpcmp"), "run", job_path("child_import_fails"), "--local", "3"], timeout=90)
+    took = time.monotonic() - start
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert took < 15, took
+    err = proc.stderr
+    assert re.search(r"error: LaunchError: worker[12] \(rank [12]\) failed while starting, before joining the job: "
+                     r"JobError: job file .*child_import_fails.py failed to import: ImportError: no module named 'only_on_the_laptop'", err), err
+    assert 'child_import_fails.py", line 6' in err  # where, in the user's file
+    assert err.count("error:") == 1 and "Process worker" not in err, err  # said once, by the parent
+
+
+TWICE = """
+import sys
+sys.path[:0] = [{tests!r}]
+from helpers import job_path
+from rpcmp.runtime import launch_local
+
+def main(job, world_size):
+    import rpcmp
+    pipe = rpcmp.Pipeline(job, world_size)
+    x, y = job.data()[0][:8]
+    loss = pipe.train_step(x, y).item()
+    pipe.close()
+    return loss
+
+if __name__ == "__main__":
+    print([launch_local(job_path("mlp"), 3, main, timeout=60) for _ in range(3)])
+"""
+
+
+@pytest.mark.timeout(200)
+def test_launch_local_called_again_in_the_same_process_works(tmp_path):
+    script = tmp_path / "twice.py"
+    script.write_text(TWICE.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    proc = _run([sys.executable, str(script)], timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = eval(proc.stdout.strip().splitlines()[-1])
+    assert len(losses) == 3 and losses[0] == losses[1] == losses[2]  # the same job, from the same seed
