@@ -173,7 +173,7 @@ def plan(job_file, world_size, overrides):
     from .job import load_job
     from .partition import build_stage, plan_stages
     from .placement import resolve_placement
-    from .trainer import sample_batch
+    from .data import sample_batch
     job = load_job(job_file, overrides=overrides)
     specs = plan_stages(job, sample_batch(job))
     world_size = world_size or len(specs) + 1

@@ -24,7 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .errors import JobError
 from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, to_device
-from .trainer import data_loader, step_groups
+from .data import data_loader, step_groups
 
 __all__ = ["DDPEngine", "init_ddp", "join", "leave"]
 

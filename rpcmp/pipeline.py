@@ -75,6 +75,7 @@ from torch.distributed.optim import DistributedOptimizer
 from . import health
 from . import stage as _stage
 from .errors import JobError, NonFiniteLossError, StageError
+from .data import needs_sample, sample_batch
 from .futures import unwrap, wait_all
 from .hparams import make_probe, scheduled_fields
 from .job import SCHEDULES
@@ -100,6 +101,8 @@ class Pipeline(PipelineState):
         self.schedule = schedule or job.schedule
         if self.schedule not in SCHEDULES:
             raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if sample is None and needs_sample(job):
+            sample = sample_batch(job)  # Split(by="time") profiles the layers on the job's first batch
         self.specs: list[StageSpec] = plan_stages(job, sample)
         self.places: list[Place] = resolve_placement(job.placement, len(self.specs), world_size)
         self._owners = [p.process for p in self.places]

@@ -19,7 +19,7 @@ from . import health
 from .checkpoint import check_model_keys, load_checkpoint
 from .errors import JobError
 from .microbatch import batch_size, gather
-from .trainer import data_loader
+from .data import data_loader
 
 __all__ = ["predict_local", "predict_split", "write_predictions", "panel"]
 

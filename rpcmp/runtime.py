@@ -9,6 +9,7 @@ machine, bound to loopback only, with a free port chosen by the parent.
 from __future__ import annotations
 
 import io
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -30,7 +31,7 @@ from .network import bound_store, preflight
 from .partition import Split
 from .placement import device_maps_for, process_name, resolve_placement
 
-__all__ = ["run_rank", "launch_local", "free_port", "default_threads"]
+__all__ = ["run_rank", "launch_local", "free_port", "default_threads", "usable_cpus"]
 
 _SHUTDOWN_TIMEOUT = 30.0
 
@@ -62,8 +63,40 @@ def _one_malloc_arena() -> None:
 
 
 def default_threads(local_procs: int) -> int:
-    """Intra-op threads per process: the node's cores shared by its processes."""
-    return max(1, (os.cpu_count() or 1) // max(1, local_procs))
+    """Intra-op threads per process: the cores this process may use, shared by the node's processes."""
+    return max(1, usable_cpus() // max(1, local_procs))
+
+
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may run on: its CPU affinity (SLURM's ``--cpus-per-task``, taskset),
+    capped by a cgroup CPU quota (containers, Kubernetes limits), not the machine's core count."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota(cgroup_root)
+    return max(1, min(cpus, math.ceil(quota))) if quota else max(1, cpus)
+
+
+def _cgroup_quota(root: str) -> float | None:
+    """The CPU quota of this process's cgroup, in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), or None."""
+    try:
+        own = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
+    except OSError:
+        own = []
+    v2 = next((path for hid, _, path in own if hid == "0"), "/")
+    v1 = next((path for _, ctrl, path in own if "cpu" in ctrl.split(",")), "/")
+    for folder in (os.path.join(root, v2.lstrip("/")), root):
+        try:
+            quota, period = open(os.path.join(folder, "cpu.max")).read().split()
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            pass
+    for folder in (os.path.join(root, "cpu", v1.lstrip("/")), os.path.join(root, "cpu")):
+        try:
+            quota = int(open(os.path.join(folder, "cpu.cfs_quota_us")).read())
+            period = int(open(os.path.join(folder, "cpu.cfs_period_us")).read())
+            return None if quota <= 0 else quota / period
+        except (OSError, ValueError):
+            pass
+    return None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -10,7 +10,6 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from torch.utils.data import DataLoader
 
 from .checkpoint import (CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, model_fingerprint,
                          new_run_id, save_checkpoint)
@@ -18,15 +17,16 @@ from . import health
 from .errors import JobError
 from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, gather
+from .data import data_loader, datasets, epoch_batches, step_groups
 from .pipeline import Pipeline
 from .trace import write_chrome_trace
 
-__all__ = ["fit", "evaluate", "sample_batch", "epoch_batches", "make_engine", "PipelineEngine", "data_loader"]
+__all__ = ["fit", "evaluate", "make_engine", "PipelineEngine"]
 
 
 def fit(job, world_size: int, console: Console | None = None, engine=None) -> dict[str, Any]:
     """Train ``job``; in pipeline mode on the master, in DDP mode on every rank."""
-    train_set, heldout = _datasets(job)
+    train_set, heldout = datasets(job)
     engine = engine or make_engine(job, world_size, train_set)
     console = console or Console(quiet=not engine.is_main)
     per_epoch = engine.steps_per_epoch(len(train_set))
@@ -157,8 +157,7 @@ def make_engine(job, world_size: int, train_set=None):
     if job.mode == "ddp":
         from .ddp import DDPEngine
         return DDPEngine(job)
-    sample = sample_batch(job) if _needs_sample(job) else None
-    return PipelineEngine(Pipeline(job, world_size, sample=sample), job)
+    return PipelineEngine(Pipeline(job, world_size), job)
 
 
 class PipelineEngine:
@@ -264,31 +263,6 @@ class PipelineEngine:
         console.print(table)
 
 
-def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The batches of one epoch: a permutation fixed by (seed, epoch), incomplete batch dropped.
-
-    Fixed so that a resumed run reads exactly the batches the interrupted one would have.
-    """
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
-    return [order[i * size:(i + 1) * size] for i in range(n // size)]
-
-
-def step_groups(dataset, batches: list, first_step: int, accumulate: int):
-    """Group an epoch's batches ``accumulate`` at a time (one group per optimizer step),
-    from step ``first_step`` on; an incomplete last group is dropped. Returns the lazy
-    groups and the number of steps in the whole epoch."""
-    steps = len(batches) // accumulate
-    usable = batches[first_step * accumulate: steps * accumulate]
-    it = iter(data_loader(dataset, batch_sampler=usable))
-    return ([next(it) for _ in range(accumulate)] for _ in range(len(usable) // accumulate)), steps
-
-
-def data_loader(dataset, **kwargs) -> DataLoader:
-    """A DataLoader that leaves the global RNG alone: a plain one draws a seed from it for
-    every iterator, so a resumed run (one more iterator) would draw other dropout masks."""
-    return DataLoader(dataset, generator=torch.Generator(), **kwargs)
-
-
 def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
     rng = engine.rng_state()  # DDP: a collective, so every rank takes part
     if not engine.is_main:  # DDP: every rank holds the same state; rank 0 writes it
@@ -338,18 +312,6 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
     return ckpt["step"], ckpt["epoch"], ckpt["next_batch"], run
 
 
-def sample_batch(job) -> Any:
-    """The first training batch's input, for balancing by time; None when the job has no data."""
-    if not _needs_sample(job) or job.data is None:
-        return None
-    x = next(iter(data_loader(_datasets(job)[0], batch_size=job.batch_size)))[0]
-    return x
-
-
-def _needs_sample(job) -> bool:
-    return getattr(job.stages, "by", None) == "time" and getattr(job.stages, "parts", None) is not None
-
-
 @torch.no_grad()
 def evaluate(pipe: Pipeline, dataset, job) -> float:
     """Mean of ``job.metric`` over ``dataset`` (weighted by batch size), stages in eval mode."""
@@ -361,12 +323,3 @@ def evaluate(pipe: Pipeline, dataset, job) -> float:
         count += n
     pipe.train()
     return total / max(count, 1)
-
-
-def _datasets(job):
-    if job.data is None or job.loss is None:
-        raise JobError("training needs Job(data=<callable returning (train, heldout)>, loss=<callable>)")
-    got = job.data()
-    if not (isinstance(got, tuple) and len(got) == 2):
-        raise JobError(f"Job.data() must return (train_dataset, heldout_dataset_or_None), got {type(got).__name__}")
-    return got

@@ -7,7 +7,6 @@ import sys
 import time
 
 import pytest
-import torch
 
 from helpers import assert_close, job_path
 from rpcmp.checkpoint import latest_checkpoint, load_checkpoint

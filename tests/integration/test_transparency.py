@@ -75,3 +75,18 @@ def test_two_stages_on_one_process_start_from_the_seeded_unsplit_model_every_tim
     ref = job.model().state_dict()
     for state in states:
         assert_close(state, ref, rtol=0, atol=0)
+
+
+def _timed_split(job, world_size):
+    pipe = rpcmp.Pipeline(dataclasses.replace(job, stages=rpcmp.Split(parts=2, by="time")), world_size)
+    x, y = job.data()[0][:8]
+    loss = pipe.train_step(x, y).item()
+    specs = [(s.start, s.stop) for s in pipe.specs]
+    pipe.close()
+    return specs, loss
+
+
+@pytest.mark.timeout(300)
+def test_a_pipeline_balanced_by_time_draws_its_sample_from_the_job():
+    specs, loss = run_ranks("mlp", 3, _timed_split, timeout=240)
+    assert specs[0][0] == 0 and specs[-1][1] == 7 and len(specs) == 2 and loss > 0

@@ -31,6 +31,26 @@ def test_slurm_builds_the_torchrun_command(tmp_path):
                    "-m", "rpcmp.master", "examples/unet_split/job.py", "--max-steps", "5"]
 
 
+def test_slurm_takes_the_node_address_from_the_interface_rpcmp_is_told_to_use(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    # a node whose first address (hostname -I) is on another network than the interface named
+    (fake / "hostname").write_text('#!/usr/bin/env bash\necho 192.0.2.50 10.9.8.7\n')
+    (fake / "ip").write_text('#!/usr/bin/env bash\n[[ "$*" == "-4 -o addr show dev ib0" ]] || exit 1\n'
+                             'echo "3: ib0    inet 10.9.8.7/16 brd 10.9.255.255 scope global ib0"\n')
+    for tool in ("srun", "hostname", "ip"):
+        (fake / tool).chmod(0o755)
+    env = {**os.environ, **ENV, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHON": "echo"}
+    out = subprocess.run(["bash", SLURM, "job.py"], env={**env, "RPCMP_IFACE": "ib0"}, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[out.index("--local-addr") + 1] == "10.9.8.7"
+    out = subprocess.run(["bash", SLURM, "job.py"], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out[out.index("--local-addr") + 1] == "192.0.2.50"
+    bad = subprocess.run(["bash", SLURM, "job.py"], env={**env, "RPCMP_IFACE": "eth7"}, capture_output=True, text=True)
+    assert bad.returncode == 2 and "no IPv4 address on interface eth7" in bad.stderr
+
+
 def test_slurm_outside_an_allocation_says_so():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     proc = subprocess.run(["bash", SLURM, "job.py"], env=env, capture_output=True, text=True)

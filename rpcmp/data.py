@@ -1,0 +1,60 @@
+"""The data side of training: datasets from the job, the batch order of every epoch
+(fixed by seed and epoch, so a resumed run reads what the interrupted one would have),
+and a sample batch for balancing by time."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from .errors import JobError
+
+__all__ = ["datasets", "epoch_batches", "step_groups", "data_loader", "sample_batch", "needs_sample"]
+
+
+def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches of one epoch: a permutation fixed by (seed, epoch), incomplete batch dropped.
+
+    Fixed so that a resumed run reads exactly the batches the interrupted one would have.
+    """
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
+    return [order[i * size:(i + 1) * size] for i in range(n // size)]
+
+
+def step_groups(dataset, batches: list, first_step: int, accumulate: int):
+    """Group an epoch's batches ``accumulate`` at a time (one group per optimizer step),
+    from step ``first_step`` on; an incomplete last group is dropped. Returns the lazy
+    groups and the number of steps in the whole epoch."""
+    steps = len(batches) // accumulate
+    usable = batches[first_step * accumulate: steps * accumulate]
+    it = iter(data_loader(dataset, batch_sampler=usable))
+    return ([next(it) for _ in range(accumulate)] for _ in range(len(usable) // accumulate)), steps
+
+
+def data_loader(dataset, **kwargs) -> DataLoader:
+    """A DataLoader that leaves the global RNG alone: a plain one draws a seed from it for
+    every iterator, so a resumed run (one more iterator) would draw other dropout masks."""
+    return DataLoader(dataset, generator=torch.Generator(), **kwargs)
+
+
+def sample_batch(job) -> Any:
+    """The first training batch's input, for balancing by time; None when the job has no data."""
+    if not needs_sample(job) or job.data is None:
+        return None
+    x = next(iter(data_loader(datasets(job)[0], batch_size=job.batch_size)))[0]
+    return x
+
+
+def needs_sample(job) -> bool:
+    return getattr(job.stages, "by", None) == "time" and getattr(job.stages, "parts", None) is not None
+
+
+def datasets(job):
+    """``(train, heldout)`` from ``Job.data``, checked."""
+    if job.data is None or job.loss is None:
+        raise JobError("training needs Job(data=<callable returning (train, heldout)>, loss=<callable>)")
+    got = job.data()
+    if not (isinstance(got, tuple) and len(got) == 2):
+        raise JobError(f"Job.data() must return (train_dataset, heldout_dataset_or_None), got {type(got).__name__}")
+    return got

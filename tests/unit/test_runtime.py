@@ -1,0 +1,32 @@
+"""How many threads a process takes: the cores it may use, not the machine's."""
+import os
+
+from rpcmp import runtime
+
+
+def _cgroup_v2(tmp_path, cpu_max):
+    (tmp_path / "cpu.max").write_text(cpu_max)
+    return str(tmp_path)
+
+
+def test_threads_follow_the_cpu_affinity(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))  # srun --cpus-per-task=8
+    root = _cgroup_v2(tmp_path, "max 100000\n")
+    assert runtime.usable_cpus(root) == 8
+    monkeypatch.setattr(runtime, "usable_cpus", lambda: 8)
+    assert runtime.default_threads(2) == 4 and runtime.default_threads(16) == 1
+
+
+def test_threads_follow_a_cgroup_cpu_quota(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
+    assert runtime.usable_cpus(_cgroup_v2(tmp_path, "800000 100000\n")) == 8  # docker --cpus=8
+    assert runtime.usable_cpus(_cgroup_v2(tmp_path, "150000 100000\n")) == 2  # 1.5 cores: 2 threads
+    assert runtime.usable_cpus(_cgroup_v2(tmp_path, "max 100000\n")) == 128
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert runtime.usable_cpus(str(v1)) == 4
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert runtime.usable_cpus(str(v1)) == 128
