@@ -48,6 +48,7 @@ def job_options(fn):
         click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE)."),
         click.option("--connect-timeout", type=float, envvar="RPCMP_CONNECT_TIMEOUT",
                      help="Seconds a worker waits for the master to be reachable (default 60)."),
+        click.option("--debug", is_flag=True, help="On a stage's failure, print every frame (RPC and rpcmp too)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -64,13 +65,25 @@ def job_options(fn):
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
         for k in keys:
             kw.pop(k, None)
+        debug = kw.pop("debug", False)
         try:
             return fn(**kw)
         except RpcmpError as exc:
-            Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}",
-                                       highlight=False, soft_wrap=True)
+            report(exc, debug)
             sys.exit(exit_code(exc))
     return wrapper
+
+
+def report(exc: RpcmpError, debug: bool = False) -> None:
+    """The one error report: ``error: Type: message`` on one line, then for a stage's failure its
+    own traceback (the user's frames; every frame with ``--debug``) and the training step."""
+    console = Console(stderr=True)
+    console.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}", highlight=False, soft_wrap=True)
+    trace = getattr(exc, "full_traceback" if debug else "details", "")
+    if trace:
+        console.print(escape(trace.rstrip("\n")), highlight=False, soft_wrap=True, style="dim")
+    if getattr(exc, "step", None):
+        console.print(f"(during training step {exc.step})", highlight=False, style="dim")
 
 
 def exit_code(exc: RpcmpError) -> int:

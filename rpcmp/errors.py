@@ -25,7 +25,16 @@ class MicroBatchError(RpcmpError, ValueError):
 
 
 class StageError(RpcmpError, RuntimeError):
-    """A stage failed on its owner; the message carries the remote traceback."""
+    """A stage failed on its owner. The message is one line (which stage, where, which
+    micro-batch, the cause); ``details`` holds the stage's own traceback (the user's frames),
+    ``full_traceback`` every frame (``--debug`` prints it)."""
+
+    def __init__(self, message: str, details: str = "", full_traceback: str = ""):
+        super().__init__(message)
+        self.details, self.full_traceback = details, full_traceback
+
+    def __reduce__(self):  # keeps the tracebacks through pickling (RPC, result queues)
+        return (type(self), (str(self), self.details, self.full_traceback))
 
 
 class StageOutputError(MicroBatchError):

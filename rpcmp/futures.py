@@ -1,9 +1,7 @@
-"""Waiting on RPC futures: every one settles before the first error is raised, typed."""
+"""Waiting on RPC futures: every one settles before the first error is raised."""
 from __future__ import annotations
 
-from .errors import StageError
-
-__all__ = ["wait_all", "unwrap"]
+__all__ = ["wait_all"]
 
 
 def wait_all(futs) -> list:
@@ -16,15 +14,5 @@ def wait_all(futs) -> list:
             results.append(None)
             error = error or exc
     if error is not None:
-        raise unwrap(error)
+        raise error
     return results
-
-
-def unwrap(exc: Exception) -> Exception:
-    """RPC re-raises remote errors with the remote traceback in the message; keep it, type it."""
-    if isinstance(exc, StageError):
-        return exc
-    text = str(exc)
-    if "StageError" in text or "stage " in text:
-        return StageError(text)
-    return exc

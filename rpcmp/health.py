@@ -60,7 +60,8 @@ def describe(lost: list[str], how: str) -> str:
 def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseException:
     """Turn a transport error into a :class:`WorkerLostError` naming the lost workers."""
     if isinstance(exc, StageError) and not isinstance(exc, WorkerLostError):
-        return StageError(f"at step {status['step']}: {exc}")
+        exc.step = status["step"]  # shown after the stage's traceback (rpcmp.cli.report)
+        return exc
     try:
         lost = unresponsive([p for p in processes if p != rpc.get_worker_info().name], timeout)
     except Exception:  # noqa: BLE001 - the agent itself may be going down

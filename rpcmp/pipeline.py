@@ -75,8 +75,9 @@ from torch.distributed.optim import DistributedOptimizer
 from . import health
 from . import stage as _stage
 from .errors import JobError, NonFiniteLossError, StageError
+from .failure import Failure
 from .data import needs_sample, sample_batch
-from .futures import unwrap, wait_all
+from .futures import wait_all
 from .hparams import make_probe, scheduled_fields
 from .job import SCHEDULES
 from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
@@ -117,6 +118,9 @@ class Pipeline(PipelineState):
         # A worker lost while building is named; a stage that failed to build says so itself.
         with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
             built = wait_all(futs)
+        failed = [b for b in built if isinstance(b, Failure)]  # see [Note: failures travel as values]
+        if failed:
+            raise failed[0].error()
         self.param_rrefs = [r for refs, _ in built for r in refs]
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn in built)
@@ -219,7 +223,7 @@ class Pipeline(PipelineState):
             except threading.BrokenBarrierError:
                 pass
             except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
-                errors.append(exc)
+                errors.append((i, exc))
                 backward_done.abort()
                 for event in merged:
                     event.set()
@@ -243,7 +247,7 @@ class Pipeline(PipelineState):
         if errors:
             _stage._abandon(self.pid, seqs)
             self._resync()
-            raise unwrap(errors[0])
+            raise min(errors, key=lambda e: e[0])[1]  # the first micro-batch's failure, whichever thread saw one first
         total = torch.stack(losses).sum()
         if outs is not None:
             self._check_loss(outs, y, total)

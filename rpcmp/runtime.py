@@ -24,8 +24,8 @@ import torch
 import torch.distributed.rpc as rpc
 
 from . import stage as _stage
-from .errors import LaunchError
-from .health import Watchdog
+from .errors import LaunchError, StageError
+from .health import Watchdog, WorkerLostError
 from .job import Job, load_job
 from .network import bound_store, preflight
 from .partition import Split
@@ -173,7 +173,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     finally:
         if watchdog is not None:
             watchdog.stop()
-        _shutdown(graceful=error is None)
+        # A stage's own failure leaves every process answering: leave as after success (no transport noise).
+        _shutdown(graceful=error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
     if error is not None:
         raise error
     return result

@@ -39,7 +39,6 @@ import os
 import resource
 import threading
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +48,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .errors import StageError
+from .failure import Failure
 from .hparams import apply_fields, read_fields
 from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
@@ -189,19 +189,17 @@ def _whoami() -> str:
 
 def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float, options: dict):
     """Build stage ``spec`` here; return RRefs of its parameters for the DistributedOptimizer
-    and whether it has BatchNorm layers. ``options``: the master's Job settings that shape a stage
-    (the job file imported here may have been overridden on the master)."""
+    and whether it has BatchNorm layers, or a :class:`Failure` (see [Note: failures travel as
+    values]). ``options``: the master's Job settings that shape a stage (the job file imported
+    here may have been overridden on the master)."""
     try:
         device = check_device(place)
         # Builds of two stages on one process run on two RPC threads: each seeds the global RNG and
         # draws its initial weights from it, so they must not interleave.
         with _BUILD_LOCK:
             module = build_stage(_JOB, spec).to(device)
-    except Exception as exc:
-        raise StageError(
-            f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}\n"
-            f"{traceback.format_exc()}"
-        ) from None
+    except Exception as exc:  # noqa: BLE001 - reported on the master
+        return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
     keep = bool(options["device_maps"])
     bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
     if options["recompute"]:
@@ -212,22 +210,27 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn
 
 
+def _done(value: Any) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
 @rpc.functions.async_execution
 def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures.Future:
     host = _HOSTS[(pid, index)]
     try:
         y = host.run(seq, x, grad)
-    except StageError:
-        raise
-    except Exception as exc:
-        # Raise, not Future.set_exception: RPC would deliver an exception set on the
-        # returned future as a plain value, and the master would never see it fail.
-        raise StageError(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
-                         f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}") from None
+    except StageError as exc:  # waited out the timeout for an earlier micro-batch
+        return _done(Failure(str(exc)))
+    except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
+        return _done(Failure.of(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
+                                f"{type(exc).__name__}: {exc}", exc))
     if host.next_process is not None:
         return rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
     if host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
-        return _deliver(pid, seq, y, _now=True)
+        _deliver(pid, seq, y)
+        return _done(None)
     return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
 
 
@@ -248,14 +251,19 @@ def _send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str])
 
     def failed(chain: torch.futures.Future) -> None:
         try:
-            chain.wait()
-        except Exception as exc:  # noqa: BLE001 - handed to the waiting master
-            _settle(pid, seq, exc)
-            for index, owner in enumerate(owners):
-                try:
-                    rpc.rpc_async(owner, _skip, args=(pid, index, seq))
-                except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
-                    pass
+            value = chain.wait()
+        except Exception as exc:  # noqa: BLE001 - a transport error: handed to the waiting master
+            error = exc
+        else:
+            if not isinstance(value, Failure):
+                return
+            error = value.error()
+        _settle(pid, seq, error)
+        for index, owner in enumerate(owners):
+            try:
+                rpc.rpc_async(owner, _skip, args=(pid, index, seq))
+            except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
+                pass
     rpc.rpc_async(first, _forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
     return out
 
@@ -271,13 +279,8 @@ def _settle(pid: int, seq: int, value: Any) -> None:
         out.set_result(value)
 
 
-def _deliver(pid: int, seq: int, y: Any, _now: bool = False):
+def _deliver(pid: int, seq: int, y: Any) -> None:
     _settle(pid, seq, y)
-    if _now:
-        fut = torch.futures.Future()
-        fut.set_result(None)
-        return fut
-    return None
 
 
 def _abandon(pid: int, seqs: list[int]) -> None:

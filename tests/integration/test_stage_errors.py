@@ -80,3 +80,29 @@ def test_a_stage_failing_in_backward_is_named():
         assert out[sched].startswith("the backward pass failed on worker2 (stage 1 (Fragile)): "), out[sched]
         assert "backward exploded" in out[sched]
         assert out[sched + " then predict"] == (8, 4)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("owner", ["master", "worker1"])
+def test_a_failing_stage_is_reported_once_with_its_own_traceback(owner):
+    import os
+    import subprocess
+    import sys
+
+    from helpers import job_path
+    rpcmp_bin = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+    env = {**os.environ, "EXPLODE_ON": "master" if owner == "master" else "worker", "COLUMNS": "200"}
+    proc = subprocess.run([rpcmp_bin, "run", job_path("explodes"), "--local", "3"], capture_output=True, text=True,
+                          timeout=150, env=env)
+    err = proc.stderr
+    assert proc.returncode == 1, proc.stdout + err
+    line = (f"error: StageError: stage 2 (layers[3:4]) on {owner}/cpu failed on micro-batch 0: RuntimeError: "
+            f"mat1 and mat2 shapes cannot be multiplied (8192x1 and 512x10)")
+    assert err.count(line) == 1 and err.count("error:") == 1, err
+    assert err.count("Traceback") == 1 and 'explodes.py", line 15, in forward' in err, err
+    assert "rpcmp/stage.py" not in err and "WorkerInfo" not in err and "torch/distributed" not in err, err
+    assert "(during training step 1)" in err
+    assert len(err.splitlines()) <= 12, err
+    debug = subprocess.run([rpcmp_bin, "run", job_path("explodes"), "--local", "3", "--debug"], capture_output=True,
+                           text=True, timeout=150, env=env).stderr
+    assert debug.count(line) == 1 and "rpcmp/stage.py" in debug and 'explodes.py", line 15' in debug, debug
