@@ -64,10 +64,12 @@ for ((i = 0; i < NODES; i++)); do
   addr_opt=(--local-addr "$SUBNET.$((i + 1))")
   # RPCMP_NETNS_OMIT_LOCAL_ADDR=1 reproduces the classic fault, for the tests: see rpcmp/network.py
   [[ -n "${RPCMP_NETNS_OMIT_LOCAL_ADDR:-}" ]] && addr_opt=()
+  # RPCMP_NETNS_TORCHRUN_ARGS: more torchrun options for every node (e.g. --max-restarts=1)
+  read -r -a extra <<<"${RPCMP_NETNS_TORCHRUN_ARGS:-}"
   ip netns exec "rpcmp-n$i-$ID" timeout --kill-after=10 "$LIMIT" \
     "$PY" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node=1 \
       --rdzv-backend=c10d --rdzv-endpoint="$SUBNET.1:29400" --rdzv-conf "is_host=$host" \
-      "${addr_opt[@]}" \
+      "${addr_opt[@]}" "${extra[@]}" \
       -m rpcmp.master "$@" --iface eth0 >"$LOGS/node$i.log" 2>&1 &
   pids+=($!)
 done

@@ -7,7 +7,7 @@ Declare stages in a job file, then launch it::
         -m rpcmp.master examples/unet_split/job.py
 """
 from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NonFiniteLossError, PartitionError,
-                     PlacementError, RpcmpError, StageError, StageOutputError)
+                     PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError)
 from .job import Job, load_job
 from .partition import Split
 from .pipeline import Pipeline
@@ -15,6 +15,6 @@ from .pipeline import Pipeline
 __all__ = [
     "Job", "Split", "Pipeline", "load_job",
     "RpcmpError", "JobError", "NonFiniteLossError", "PartitionError", "PlacementError", "MicroBatchError", "StageError", "StageOutputError",
-    "CheckpointError", "CheckpointWriteError", "LaunchError",
+    "CheckpointError", "CheckpointWriteError", "LaunchError", "RunAbortedError",
 ]
 __version__ = "0.1.0"

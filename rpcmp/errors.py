@@ -1,7 +1,8 @@
 """Typed errors for user mistakes. Each message says what was expected, what was got, and the fix."""
 
 __all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError",
-           "NonFiniteLossError", "CheckpointError", "CheckpointWriteError", "LaunchError"]
+           "NonFiniteLossError", "CheckpointError", "CheckpointWriteError", "LaunchError",
+           "RunAbortedError"]
 
 
 class RpcmpError(Exception):
@@ -56,3 +57,8 @@ class CheckpointWriteError(RpcmpError, OSError):
 
 class LaunchError(RpcmpError, RuntimeError):
     """A process of a local run died or failed before joining the job; the message names its rank and why."""
+
+
+class RunAbortedError(RpcmpError, RuntimeError):
+    """On a worker: the master ended with an error or stopped answering, so this rank did not
+    end normally either (it exits 1, and torchrun or a daemon sees a failed rank)."""

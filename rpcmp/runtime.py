@@ -24,7 +24,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from . import stage as _stage
-from .errors import LaunchError, StageError
+from .errors import LaunchError, RunAbortedError, StageError
 from .health import Watchdog, WorkerLostError
 from .job import Job, load_job
 from .network import bound_store, preflight
@@ -160,6 +160,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         places = resolve_placement(job.placement, count, world_size)
         for peer, mapping in device_maps_for(places, process_name(rank)).items():
             options.set_device_map(peer, mapping)
+    _OUTCOME["ok"] = None
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     result, error, watchdog = None, None, None
     try:
@@ -173,11 +174,43 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if rank == 0:
+            _tell_outcome([process_name(r) for r in range(1, world_size)], error is None)
         # A stage's own failure leaves every process answering: leave as after success (no transport noise).
-        _shutdown(graceful=error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
+        left = _shutdown(graceful=error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
     if error is not None:
         raise error
+    if rank != 0 and not (left and _OUTCOME["ok"]):
+        raise RunAbortedError(f"{process_name(rank)}: the master " + ("ended with an error (its log says which)" if left
+                              else "stopped answering before the job ended") + "; this rank exits 1")
     return result
+
+
+# [Note: every rank says how the job ended]
+# A worker serves until the master shuts the world down; that shutdown succeeds after a
+# master's failure too (a stage error) or fails (the master died). Either way the worker
+# used to exit 0, and torchrun took its node for finished: under --max-restarts the
+# restarted master then waited for nodes that had gone home. The master now tells every
+# worker whether the run ended normally; a worker that was not told so exits 1.
+_OUTCOME: dict = {"ok": None}  # set on a worker by the master, through _outcome
+
+
+def _outcome(ok: bool) -> None:
+    _OUTCOME["ok"] = ok
+
+
+def _tell_outcome(workers: list[str], ok: bool) -> None:
+    futs = []
+    for w in workers:
+        try:
+            futs.append(rpc.rpc_async(w, _outcome, args=(ok,), timeout=5))
+        except Exception:  # noqa: BLE001 - a worker that is gone cannot be told
+            pass
+    for fut in futs:
+        try:
+            fut.wait()
+        except Exception:  # noqa: BLE001 - it then exits 1, as it should
+            pass
 
 
 def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
@@ -205,11 +238,14 @@ def _fresh_store_prefix() -> None:
             rpc._init_counter = max(rpc._init_counter, attempt * 1000)
 
 
-def _shutdown(graceful: bool) -> None:
+def _shutdown(graceful: bool) -> bool:
+    """Leave the RPC world; return whether every peer took part."""
     try:
         rpc.shutdown(graceful=graceful, timeout=_SHUTDOWN_TIMEOUT) if graceful else rpc.shutdown(graceful=False)
+        return True
     except Exception as exc:  # noqa: BLE001 - a peer already gone must not hang or mask the real error
         print(f"rpcmp: RPC shutdown: {exc}", file=sys.stderr)
+        return False
 
 
 def _watch_parent(parent: int) -> None:
@@ -236,7 +272,10 @@ def _local_child(job_path, rank, world_size, port, overrides, main, results, par
             started.put((rank, f"{type(exc).__name__}: {exc}"))
             sys.exit(1)
         started.put((rank, None))
-        out = run_rank(job_path, rank, world_size, main, overrides, local_procs=world_size)
+        try:
+            out = run_rank(job_path, rank, world_size, main, overrides, local_procs=world_size)
+        except RunAbortedError:
+            sys.exit(1)  # the master's own error is what the parent reports
         if results is not None:
             buf = io.BytesIO()
             torch.save(out, buf)  # bytes, not shared-memory handles that die with this process

@@ -292,9 +292,14 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
 
 
 def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides) -> None:
+    from .errors import RpcmpError
     from .runtime import run_rank
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-    run_rank(job_path, rank, world_size, None, overrides, local_procs=1)
+    try:
+        run_rank(job_path, rank, world_size, None, overrides, local_procs=1)
+    except RpcmpError as exc:  # the daemon logs the exit code; say why once
+        _log(f"{type(exc).__name__}: {exc}")
+        sys.exit(1)
 
 
 def _log(msg: str) -> None:

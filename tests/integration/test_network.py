@@ -137,3 +137,57 @@ def test_a_local_run_listens_on_loopback_only_even_with_an_interface_named():
     addrs = [line.split()[3] for line in proc.stdout.splitlines() if line.startswith("LISTEN")]
     assert len(addrs) >= 4, proc.stdout  # the store and each process's TensorPipe listener
     assert all(a.rsplit(":", 1)[0] in ("127.0.0.1", "[::ffff:127.0.0.1]") for a in addrs), addrs
+
+
+def _rank0_pid(namespace):
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"RANK=0" in env and b"rpcmp.master" in cmd and b"torch.distributed.run" not in cmd:
+            return int(pid)
+    return None
+
+
+def _fit_steps(job, world_size):
+    from rpcmp.trainer import fit
+    return fit(job, world_size)["steps"]
+
+
+@needs_netns
+@pytest.mark.timeout(600)
+def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_uninterrupted_run(tmp_path):
+    from helpers import assert_close, run_ranks
+    from rpcmp.checkpoint import latest_checkpoint, load_checkpoint
+    steps, every = 1500, 100
+    clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
+    logs.mkdir()
+    common = {"max_steps": steps, "epochs": 100, "checkpoint_every": every}
+    assert run_ranks("mlp", 3, _fit_steps, {**common, "checkpoint_dir": str(clean)}, timeout=240) == steps
+    proc = subprocess.Popen(["bash", SCRIPT, "--timeout", "420", "--logs", str(logs), "--", job_path("mlp"),
+                             "--max-steps", str(steps), "--epochs", "100", "--checkpoint-every", str(every),
+                             "--checkpoint-dir", str(faulty), "--resume"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHON": sys.executable, "COLUMNS": "160",
+                                 "RPCMP_NETNS_TORCHRUN_ARGS": "--max-restarts=1"})
+    try:
+        deadline = time.monotonic() + 240
+        while latest_checkpoint(str(faulty)) is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else ""
+            time.sleep(0.05)
+        rank0 = _rank0_pid(f"rpcmp-n0-{proc.pid}")
+        assert rank0 is not None
+        os.kill(rank0, 9)  # SIGKILL the master: every rank's job ends abnormally, every agent restarts
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    node_logs = "".join(open(logs / f).read() for f in sorted(os.listdir(logs)))
+    assert proc.returncode == 0 and all(f"node{i}: exit 0" in out for i in range(3)), out + node_logs
+    assert "resumed run" in node_logs, node_logs
+    a, b = load_checkpoint(str(clean)), load_checkpoint(str(faulty))
+    assert a["step"] == b["step"] == steps
+    assert_close(b["model"], a["model"])
