@@ -294,9 +294,11 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
 def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides) -> None:
     from .errors import RpcmpError
     from .runtime import run_rank
+    from .trainer import fit
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
-        run_rank(job_path, rank, world_size, None, overrides, local_procs=1)
+        # In DDP mode every rank trains (fit); in pipeline mode a worker serves its stages and fit is not called.
+        run_rank(job_path, rank, world_size, fit, overrides, local_procs=1)
     except RpcmpError as exc:  # the daemon logs the exit code; say why once
         _log(f"{type(exc).__name__}: {exc}")
         sys.exit(1)

@@ -184,7 +184,11 @@ def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_unin
         out, _ = proc.communicate(timeout=480)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            proc.terminate()  # the script's trap kills the nodes and removes the namespaces
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     node_logs = "".join(open(logs / f).read() for f in sorted(os.listdir(logs)))
     assert proc.returncode == 0 and all(f"node{i}: exit 0" in out for i in range(3)), out + node_logs
     assert "resumed run" in node_logs, node_logs
