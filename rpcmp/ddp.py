@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,7 @@ from .data import data_loader, step_groups
 
 __all__ = ["DDPEngine", "init_ddp", "join", "leave"]
 
+_MIN_COLLECTIVE_S = 60.0  # a collective may take this long, whatever Job.hang_timeout says
 _RANK: dict = {}  # this process's device and heartbeats while it is a DDP rank (see join)
 
 
@@ -42,7 +44,7 @@ def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.devic
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=max(hang_timeout, 60.0)) if hang_timeout else None
+    timeout = timedelta(seconds=max(hang_timeout, _MIN_COLLECTIVE_S)) if hang_timeout else None
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout)
     return device
 
@@ -223,3 +225,45 @@ class DDPEngine:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    # [Note: DDP checkpoints are rank 0's]
+    # Checkpoint folders may be node-local: only rank 0 writes, and on resume rank 0 reads
+    # its latest checkpoint and sends it to every rank, so no rank resumes at another step
+    # from a folder of its own. While rank 0 writes, the others wait on a key of the
+    # rendezvous store, not in the next collective: a write longer than the collective
+    # timeout (a slow disk, a big model) must not fail the job. They stop waiting when
+    # rank 0 says the write ended (or failed), or when rank 0's heartbeats have been silent
+    # for hang_timeout (300 s if unset).
+    @contextlib.contextmanager
+    def saving(self, step: int):
+        beats = _RANK.get("heartbeats")
+        key = f"rpcmp/saved/{step}"
+        if self.is_main:
+            ok = False
+            try:
+                yield True
+                ok = True
+            finally:
+                if beats is not None:
+                    beats.store.set(key, "ok" if ok else "failed")
+            return
+        yield False
+        if beats is None:
+            return
+        while not beats.store.check([key]):
+            if beats.silent(self.job.hang_timeout or 300.0, ranks=[0]):
+                from .health import WorkerLostError, describe
+                raise WorkerLostError(describe(["master"], "stopped answering while writing a checkpoint"))
+            time.sleep(0.05)
+        if beats.store.get(key) != b"ok":
+            from .errors import RunAbortedError
+            raise RunAbortedError(f"rank {self.rank}: rank 0 failed to write the checkpoint of step {step} (its log says why)")
+
+    def resume_checkpoint(self, directory: str) -> dict | None:
+        """Rank 0's latest checkpoint (or None), on every rank: see [Note: DDP checkpoints are rank 0's]."""
+        from .checkpoint import latest_checkpoint, load_checkpoint
+        box = [None]
+        if self.is_main:
+            box[0] = load_checkpoint(directory) if latest_checkpoint(directory) else None
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

@@ -91,12 +91,12 @@ class Watchdog(threading.Thread):
     def __init__(self, workers: list[str], timeout: float, interval: float = 1.0):
         super().__init__(daemon=True, name="rpcmp-watchdog")
         self.workers, self.timeout, self.interval = workers, timeout, interval
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             lost = unresponsive(self.workers, self.timeout)
-            if lost and not self._stop.is_set():
+            if lost and not self._halt.is_set():
                 print("rpcmp: error: WorkerLostError: " + describe(
                     lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
                     file=sys.stderr, flush=True)
@@ -105,39 +105,58 @@ class Watchdog(threading.Thread):
                 os._exit(3)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
 
 class Heartbeats(threading.Thread):
-    """DDP mode has no RPC to ping with: every rank stamps a key in the rendezvous store
+    """DDP mode has no RPC to ping with: every rank counts its beats in the rendezvous store
     each second, and rank 0 ends the job when one has been silent for ``timeout`` seconds.
-    After a collective fails, :meth:`explain` names the ranks that went silent."""
+    After a collective fails, :meth:`explain` names the ranks that went silent.
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store):
+    [Note: heartbeats without wall clocks]
+    A beat is a counter, not a time stamp: each rank notes, on its own monotonic clock,
+    when it last saw another rank's counter move. Stamps of ``time.time()`` compared
+    across nodes made a clock skew above ``hang_timeout`` end a healthy job. A store
+    error does not end the thread: it is said once and the beats go on when the store
+    answers again."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, store, interval: float = 1.0):
         super().__init__(daemon=True, name="rpcmp-heartbeats")
-        self.rank, self.world, self.timeout, self.store = rank, world_size, timeout, store
-        self._stop = threading.Event()
+        self.rank, self.world, self.timeout, self.store, self.interval = rank, world_size, timeout, store, interval
+        self._halt = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its count, when it last moved, monotonic)
+        self.store_errors = 0
         status["stages"] = {f"worker{r}" if r else "master": ["DDP replica"] for r in range(world_size)}
 
     def _beat(self) -> None:
-        self.store.set(f"rpcmp/hb/{self.rank}", repr(time.time()))
+        self.store.add(f"rpcmp/hb/{self.rank}", 1)
 
-    def silent(self, limit: float) -> list[int]:
-        now, out = time.time(), []
-        for r in range(self.world):
-            if r != self.rank and self.store.check([f"rpcmp/hb/{r}"]):
-                if now - float(self.store.get(f"rpcmp/hb/{r}").decode()) > limit:
-                    out.append(r)
+    def silent(self, limit: float, ranks=None) -> list[int]:
+        """The ranks (other than this one) whose count has not moved for ``limit`` seconds."""
+        now, out = time.monotonic(), []
+        for r in (range(self.world) if ranks is None else ranks):
+            if r == self.rank:
+                continue
+            count = self.store.add(f"rpcmp/hb/{r}", 0)
+            seen, since = self._seen.get(r, (None, now))
+            if count != seen:
+                self._seen[r] = (count, now)
+            elif now - since > limit:
+                out.append(r)
         return out
 
     def run(self) -> None:
-        while not self._stop.wait(1.0):
+        while not self._halt.wait(self.interval):
             try:
                 self._beat()
                 lost = self.silent(self.timeout) if self.rank == 0 and self.timeout else []
-            except Exception:  # noqa: BLE001 - the store went away: the job is ending
-                return
-            if lost and not self._stop.is_set():
+            except Exception as exc:  # noqa: BLE001 - said once; the beats resume when the store answers
+                self.store_errors += 1
+                if self.store_errors == 1 and not self._halt.is_set():
+                    print(f"rpcmp: warning: rank {self.rank}: the heartbeat store did not answer ({type(exc).__name__}: "
+                          f"{exc}); retrying every {self.interval:.0f}s", file=sys.stderr, flush=True)
+                continue
+            if lost and not self._halt.is_set():
                 names = [f"worker{r}" for r in lost]
                 print("rpcmp: error: WorkerLostError: " + describe(
                     names, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
@@ -147,8 +166,8 @@ class Heartbeats(threading.Thread):
                 os._exit(3)
 
     def explain(self, exc: BaseException) -> BaseException:
-        deadline = time.time() + 3.0
-        while time.time() < deadline:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
             try:
                 lost = self.silent(2.0)
             except Exception:  # noqa: BLE001
@@ -160,4 +179,4 @@ class Heartbeats(threading.Thread):
         return exc
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()

@@ -1,6 +1,7 @@
 """The training loop on the master: data, steps, progress, held-out metric."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -236,6 +237,13 @@ class PipelineEngine:
         load_scheduler_state(self.pipe.scheduler, self.pipe._probe, state)
         self.pipe._send_fields()
 
+    @contextlib.contextmanager
+    def saving(self, step: int):
+        yield True  # the master writes every checkpoint
+
+    def resume_checkpoint(self, directory: str) -> dict | None:
+        return load_checkpoint(directory) if latest_checkpoint(directory) else None
+
     def describe(self) -> str:
         pipe = self.pipe
         text = ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
@@ -265,8 +273,14 @@ class PipelineEngine:
 
 def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
     rng = engine.rng_state()  # DDP: a collective, so every rank takes part
-    if not engine.is_main:  # DDP: every rank holds the same state; rank 0 writes it
-        return step
+    # DDP: every rank holds the same state; rank 0 writes it while the others wait (see DDPEngine.saving)
+    with engine.saving(step) as writer:
+        if writer:
+            _write(job, engine, run, step, epoch, next_batch, rng)
+    return step
+
+
+def _write(job, engine, run: str, step: int, epoch: int, next_batch: int, rng) -> None:
     cls, _ = job.optimizer
     if engine.mode == "pipeline":
         engine.pipe.save_stage_files(job.checkpoint_dir, step, job.keep_last, run)
@@ -278,17 +292,16 @@ def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
         "rng": rng, "loss_scale": getattr(engine, "loss_scale", None),
     }, step, job.keep_last, run)
-    return step
 
 
 def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
     """Load the checkpoint written last in the folder; return (step, epoch, next batch, run it continues)."""
     if not job.checkpoint_dir:
         raise JobError("resume needs a checkpoint directory: pass --checkpoint-dir DIR (or Job.checkpoint_dir)")
-    if latest_checkpoint(job.checkpoint_dir) is None:
+    ckpt = pipe.resume_checkpoint(job.checkpoint_dir)  # DDP: rank 0's, on every rank
+    if ckpt is None:
         console.print(f"no checkpoint in {job.checkpoint_dir} yet: starting from step 0")
         return 0, 0, 0, None
-    ckpt = load_checkpoint(job.checkpoint_dir)
     model = pipe.state_dict()
     check_model_keys(ckpt, model, "this job's model")
     if ckpt.get("fingerprint") not in (None, model_fingerprint(model)):

@@ -100,3 +100,33 @@ def test_ddp_resume_restores_every_rank_rng_so_dropout_resumes_exactly(tmp_path)
     a, b = load_checkpoint(straight), load_checkpoint(split)
     assert a["step"] == b["step"] == 8 and set(a["rng"]["processes"]) == {"rank0", "rank1"}
     assert_close(b["model"], a["model"])
+
+
+def _torchrun_ddp(job, *args, env=None):
+    import os
+    import subprocess
+    import sys
+    from helpers import job_path
+    return subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone",
+                           "--nproc-per-node=2", "-m", "rpcmp.master", job_path(job), "--mode", "ddp", "--epochs", "4",
+                           *args], capture_output=True, text=True, timeout=150, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.timeout(400)
+def test_ddp_resume_with_node_local_folders_continues_every_rank_from_rank_0s_checkpoint(tmp_path):
+    base = str(tmp_path / "local")
+    for steps, resume in (("3", []), ("6", ["--resume"])):  # rank 1's own folder stays empty
+        proc = _torchrun_ddp("node_local", "--max-steps", steps, *resume, env={"CKPT_BASE": base})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    straight = _torchrun_ddp("mlp", "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(base + "/node0")
+    assert a["step"] == b["step"] == 6
+    assert_close(b["model"], a["model"])
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_write_longer_than_the_collective_timeout_does_not_fail_the_other_ranks(tmp_path):
+    result = run_ranks("slow_save", 2, _fit, {"mode": "ddp", "max_steps": 4, "checkpoint_every": 2,
+                                              "checkpoint_dir": str(tmp_path), "epochs": 4}, timeout=200)
+    assert result["steps"] == 4 and load_checkpoint(str(tmp_path))["step"] == 4

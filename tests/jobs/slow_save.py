@@ -1,0 +1,19 @@
+"""The MLP job whose checkpoint writes take longer than DDP's collective timeout
+(lowered to 3 s here, so that the test is quick)."""
+import time
+
+import rpcmp.ddp
+import rpcmp.trainer
+from mlp import job
+
+rpcmp.ddp._MIN_COLLECTIVE_S = 3.0
+job.hang_timeout = 2.0
+_write = rpcmp.trainer._write
+
+
+def _slow_write(*args, **kwargs):
+    time.sleep(6)
+    return _write(*args, **kwargs)
+
+
+rpcmp.trainer._write = _slow_write
