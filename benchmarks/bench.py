@@ -25,7 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 import rpcmp
-from rpcmp.runtime import free_port, launch_local
+from rpcmp.local import launch_local
+from rpcmp.runtime import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = os.path.join(HERE, "jobs")

@@ -104,11 +104,12 @@ def main():
 @click.option("--workers", type=int, help="Use this many worker daemons (`rpcmp worker`) instead.")
 @click.option("--listen", default="127.0.0.1:29500", show_default=True,
               help="With --workers: HOST:PORT the master listens on (RPC on PORT, job offers on PORT+1).")
-@click.option("--token-file", type=click.Path(dir_okay=False), help="With --workers: the shared job token.")
+@click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="With --workers: the shared job token.")
 @job_options
 def run(job_file, nprocs, workers, listen, token_file, overrides):
     """Train JOB_FILE on --local N processes, or on --workers N daemons."""
-    from .runtime import launch_local, run_rank
+    from .local import launch_local
+    from .runtime import run_rank
     from .trainer import fit
     if (nprocs is None) == (workers is None):
         raise click.BadParameter("give exactly one of --local N (processes here) or --workers N (daemons)")
@@ -147,7 +148,7 @@ def predict(job_file, checkpoint, out, images, nprocs, overrides):
     else:
         if nprocs < 2:
             raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
-        from .runtime import launch_local
+        from .local import launch_local
         result = launch_local(job_file, nprocs, functools.partial(predict_split, checkpoint=checkpoint, out_dir=out,
                                                                   images=images), overrides=overrides)
     console = Console()
@@ -161,7 +162,7 @@ def predict(job_file, checkpoint, out, images, nprocs, overrides):
 @main.command()
 @click.option("--master", required=True, help="HOST:PORT of the master (`rpcmp run --workers N --listen HOST:PORT`).")
 @click.option("--rank", type=int, required=True, help="This daemon's rank (1..N).")
-@click.option("--token-file", type=click.Path(dir_okay=False), help="The shared job token (or env RPCMP_TOKEN).")
+@click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="The shared job token (or env RPCMP_TOKEN).")
 @click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE).")
 def worker(master, rank, token_file, iface):
     """Run a worker daemon: serve jobs from MASTER one after another, until SIGTERM."""

@@ -113,8 +113,14 @@ def parse_offer(raw: bytes, rank: int) -> dict:
 
 def read_token(token: str | None, token_file: str | None) -> str:
     if token_file:
-        with open(token_file) as f:
-            token = f.read().strip()
+        try:
+            with open(token_file) as f:
+                token = f.read().strip()
+        except OSError as exc:
+            import getpass
+            raise JobError(f"cannot read the token file {token_file} as user {getpass.getuser()}: {exc.strerror}. A daemon "
+                           f"running as User=rpcmp reads it through its group: chown root:rpcmp {token_file} && "
+                           f"chmod 640 {token_file}") from None
     token = token or os.environ.get("RPCMP_TOKEN")
     if not token:
         raise JobError("a job token is required: --token-file FILE (or RPCMP_TOKEN); the master and its "
@@ -306,12 +312,3 @@ def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, 
 
 def _log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} rpcmp-worker: {msg}", file=sys.stderr, flush=True)
-
-
-def main() -> None:  # python -m rpcmp.worker
-    from .cli import worker
-    worker()
-
-
-if __name__ == "__main__":
-    main()

@@ -192,3 +192,100 @@ def test_ddp_through_daemons_equals_a_local_ddp_run(tmp_path):
     a, b = load_checkpoint(str(tmp_path / "daemons")), load_checkpoint(str(tmp_path / "local"))
     assert a["mode"] == b["mode"] == "ddp" and a["step"] == b["step"] == 6
     assert_close(a["model"], b["model"])
+
+
+SPAWN_PROBE = """
+import multiprocessing as mp, rpcmp, sys
+if __name__ == "__main__":
+    p = mp.get_context("spawn").Process(target=print, args=("child ok",))
+    p.start(); p.join(); sys.exit(p.exitcode)
+"""
+
+
+def _reachable_python():
+    """A command prefix that lets an unprivileged user reach this Python, which may live under a
+    folder only root may enter (pyenv under /root): in a mount namespace of the command's own,
+    that folder is a tmpfs that others may enter, holding the interpreter's tree bound back
+    in. Nothing outside the command changes."""
+    real = os.path.realpath(sys.executable)
+    parts = real.split(os.sep)
+    blocked = [os.sep.join(parts[:i]) for i in range(2, len(parts)) if not os.stat(os.sep.join(parts[:i])).st_mode & 0o001]
+    if not blocked:
+        return []
+    top = blocked[0]
+    inner = os.sep.join(parts[:len(top.split(os.sep)) + 1])
+    script = (f'set -e; keep=$(mktemp -d); mount --bind "{inner}" "$keep"; mount -t tmpfs -o mode=0755 tmpfs "{top}"; '
+              f'mkdir -p "{inner}"; mount --bind "$keep" "{inner}"; exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"]
+
+
+def _as_user_ok():
+    import shutil
+    if os.geteuid() != 0 or not (shutil.which("useradd") and shutil.which("setpriv")):
+        return "needs root, useradd and setpriv"
+    return None
+
+
+@pytest.mark.skipif(_as_user_ok() is not None, reason=f"an unprivileged daemon: {_as_user_ok()}")
+@pytest.mark.timeout(300)
+def test_an_unprivileged_daemon_with_the_documented_token_permissions_serves_a_checkpointing_job(tmp_path):
+    import pwd
+    import shutil
+    import tempfile
+    import uuid
+
+    from rpcmp.checkpoint import load_checkpoint
+    user = f"rpcmpt{uuid.uuid4().hex[:6]}"
+    subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", user],
+                   check=True)
+    etc, state = tempfile.mkdtemp(dir="/tmp"), tempfile.mkdtemp(dir="/tmp")
+    daemon = None
+    try:
+        ids = pwd.getpwnam(user)
+        as_user = [*_reachable_python(), "setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--"]
+        with open(os.path.join(state, "probe.py"), "w") as f:
+            f.write(SPAWN_PROBE)
+        os.chmod(state, 0o755)
+        probe = subprocess.run([*as_user, sys.executable, os.path.join(state, "probe.py")], capture_output=True,
+                               text=True, cwd=state)
+        if probe.returncode:
+            pytest.skip(f"user {user} cannot run this checkout's Python: {probe.stderr.strip()[-300:]}")
+        # workers/README.md: /etc/rpcmp root:rpcmp 0750, the token root:rpcmp 0640, state in the user's folder
+        os.chown(etc, 0, ids.pw_gid)
+        os.chmod(etc, 0o750)
+        token = os.path.join(etc, "token")
+        with open(token, "w") as f:
+            f.write("s3cret\n")
+        os.chmod(token, 0o600)  # root-owned 0600 (the old advice): the daemon says why it cannot start
+        refused = subprocess.run([*as_user, RPCMP, "worker", "--master", "127.0.0.1:1", "--rank", "1", "--token-file", token],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and f"cannot read the token file {token} as user {user}" in refused.stderr \
+            and "chmod 640" in refused.stderr, refused.stderr
+        os.chown(token, 0, ids.pw_gid)
+        os.chmod(token, 0o640)
+        os.chown(state, ids.pw_uid, ids.pw_gid)
+        os.chmod(state, 0o750)
+        os.makedirs(os.path.join(state, "tmp"))
+        os.chown(os.path.join(state, "tmp"), ids.pw_uid, ids.pw_gid)
+        ckpt = os.path.join(state, "job")
+        os.makedirs(ckpt)
+        os.chown(ckpt, ids.pw_uid, ids.pw_gid)
+        port = free_port()
+        log = open(tmp_path / "daemon.log", "w")
+        daemon = subprocess.Popen([*as_user, RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", "1",
+                                   "--token-file", token], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "TMPDIR": os.path.join(state, "tmp"), "HOME": state}, cwd=state)
+        out, _ = _master(port, token, "--max-steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", ckpt,
+                         workers=1).communicate(timeout=150)
+        assert "steps 4" in out, out + open(tmp_path / "daemon.log").read()
+        _wait_log(tmp_path / "daemon.log", "ended (exit 0)")
+        run = load_checkpoint(ckpt)["run"]
+        stage0 = os.path.join(ckpt, f"step-00000004.{run}.stage-0.pt")  # written by the daemon's stage
+        assert os.stat(stage0).st_uid == ids.pw_uid
+    finally:
+        if daemon is not None and daemon.poll() is None:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait(10)
+        shutil.rmtree(etc, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+        subprocess.run(["userdel", user], check=False)

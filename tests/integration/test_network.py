@@ -126,7 +126,7 @@ def test_a_local_run_listens_on_loopback_only_even_with_an_interface_named():
                     ["addr", "add", "10.233.7.1/24", "dev", "eth9"], ["link", "set", "eth9", "up"], ["link", "set", "eth8", "up"]):
             subprocess.run(["ip", "-n", ns, *cmd], check=True)
         code = ("import sys; sys.path[:0] = [%r, %r]; from helpers import job_path; import test_network as t; "
-                "from rpcmp.runtime import launch_local; "
+                "from rpcmp.local import launch_local; "
                 "print(launch_local(job_path('mlp'), 3, t._train_and_list_sockets, timeout=120, master_in_process=False))"
                 % (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__)))
         proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,

@@ -65,3 +65,14 @@ def test_slurm_doctor_runs_the_preflight_on_every_node(tmp_path):
     env = {**os.environ, **ENV, "PATH": f"{fake}:{os.environ['PATH']}", "PYTHON": "echo", "DOCTOR": "1"}
     out = subprocess.run(["bash", SLURM, "job.py"], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["-m", "rpcmp.cli", "doctor", "--nodes", "3", "--master", "nodea:29400"]
+
+
+def test_the_worker_unit_lets_stages_write_checkpoints_and_read_the_token():
+    unit = open(os.path.join(ROOT, "workers", "rpcmp-worker.service")).read()
+    settings = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    assert settings["ProtectSystem"] == "strict" and settings["User"] == "rpcmp"
+    assert "/var/lib/rpcmp" in settings["ReadWritePaths"].split() and settings["StateDirectory"] == "rpcmp"
+    readme = open(os.path.join(ROOT, "workers", "README.md")).read()
+    for text in (unit, readme):  # the token: root-owned, readable by the daemon's group
+        assert "chown root:rpcmp /etc/rpcmp/token && chmod 640 /etc/rpcmp/token" in text
+    assert "chmod 600" not in readme and "allow any TCP port" in readme

@@ -1,0 +1,199 @@
+"""The local launcher: N processes of one job on this machine, bound to loopback only,
+with a free port chosen by the parent; a child that fails to start ends the run at once."""
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+
+from .errors import LaunchError, RunAbortedError
+from .job import Job, load_job
+from .network import bound_store
+from .placement import process_name
+from .runtime import free_port, run_rank
+
+__all__ = ["launch_local"]
+
+
+def _watch_parent(parent: int) -> None:
+    """A local worker exits if its launcher dies, so nothing is left behind."""
+    def loop():
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+    threading.Thread(target=loop, daemon=True, name="rpcmp-parent-watch").start()
+
+
+# A local run talks on loopback only, whatever RPCMP_IFACE / --iface say (they are for multi-node runs).
+_LOCAL_ENV = {"RPCMP_IFACE": "lo", "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def _local_child(job_path, rank, world_size, port, overrides, main, results, parent, started):
+    _watch_parent(parent)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
+    try:
+        try:
+            load_job(job_path, overrides=overrides)  # fails here, not in the RPC rendezvous: see _wait_started
+        except Exception as exc:  # noqa: BLE001 - reported by the parent, once
+            started.put((rank, f"{type(exc).__name__}: {exc}"))
+            sys.exit(1)
+        started.put((rank, None))
+        try:
+            out = run_rank(job_path, rank, world_size, main, overrides, local_procs=world_size)
+        except RunAbortedError:
+            sys.exit(1)  # the master's own error is what the parent reports
+        if results is not None:
+            buf = io.BytesIO()
+            torch.save(out, buf)  # bytes, not shared-memory handles that die with this process
+            results.put(("ok", buf.getvalue()))
+    except BaseException as exc:
+        if results is not None:
+            results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], overrides: dict | None = None,
+                 timeout: float | None = None, master_in_process: bool = True) -> Any:
+    """Run a job on ``nprocs`` processes of this machine; return ``main``'s result.
+
+    The master runs in this process by default (so progress shows in this terminal);
+    with ``master_in_process=False`` it runs in a child too and its result comes back
+    through a queue (tests use this so every test gets fresh processes).
+    """
+    ctx = mp.get_context("spawn")
+    master_in_process = master_in_process and not _rpc_used_here()  # see [Note: one RPC world per process]
+    started = ctx.Queue()
+    port = free_port()
+    # The rendezvous store listens on loopback only; every rank joins it as a client.
+    store = bound_store("127.0.0.1", port)  # noqa: F841 - lives as long as the run
+    results = None if master_in_process else ctx.Queue()
+    first = 1 if master_in_process else 0
+    procs = []
+    user_arenas = os.environ.get("MALLOC_ARENA_MAX")
+    os.environ["MALLOC_ARENA_MAX"] = user_arenas or "1"  # glibc reads it as each child starts: [Note: one malloc arena]
+    try:
+        for rank in range(first, nprocs):
+            p = ctx.Process(target=_local_child, name=process_name(rank),
+                            args=(job_path, rank, nprocs, port, overrides, main,
+                                  results if rank == 0 else None, os.getpid(), started))
+            p.start()
+            procs.append(p)
+    finally:
+        if user_arenas is None:
+            del os.environ["MALLOC_ARENA_MAX"]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        _wait_started(started, procs, deadline)
+        if master_in_process:
+            saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", *_LOCAL_ENV)}
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
+            watch = _Deadline(deadline, procs)
+            try:
+                result = run_rank(job_path, 0, nprocs, main, overrides, local_procs=nprocs)
+            finally:
+                watch.cancel()
+                for k, v in saved.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            if watch.fired:
+                raise TimeoutError(f"the run outlived timeout={timeout}s: its processes were killed")
+        else:
+            result = _wait_result(results, procs, deadline)
+        for p in procs:
+            p.join(None if deadline is None else max(1.0, deadline - time.monotonic()))
+        bad = [(p.name, p.exitcode) for p in procs if p.exitcode not in (0, None)]
+        if bad:
+            raise RuntimeError(f"local processes exited with errors: {bad}")
+        if any(p.is_alive() for p in procs):
+            raise TimeoutError(f"local processes still running after {timeout}s: "
+                               f"{[p.name for p in procs if p.is_alive()]}")
+        return result
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+def _wait_started(started, procs, deadline) -> None:
+    """Wait until every child has imported the job; raise at once, naming the rank and its
+    error, if one dies first (instead of the others waiting out the RPC rendezvous)."""
+    import queue
+    waiting = {int(p.name.removeprefix("worker")) if p.name != "master" else 0: p for p in procs}
+    while waiting:
+        try:
+            rank, error = started.get(timeout=0.2)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in waiting.items() if p.exitcode is not None]
+            if dead and started.empty():  # (a child that said why before exiting is reported by what it said)
+                rank, code = dead[0]
+                raise LaunchError(f"{process_name(rank)} (rank {rank}) exited with code {code} while starting, "
+                                  f"before joining the job") from None
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{[process_name(r) for r in waiting]} did not start in time") from None
+            continue
+        if error is not None:
+            raise LaunchError(f"{process_name(rank)} (rank {rank}) failed while starting, before joining the job: {error}")
+        waiting.pop(rank, None)
+
+
+def _rpc_used_here() -> bool:
+    """Whether this process has joined an RPC world before.
+
+    [Note: one RPC world per process]
+    ``torch.distributed.rpc`` numbers what it does per process: the store prefix of each
+    ``init_rpc`` (``rpc_prefix_{n}``), the rounds of its internal all-gather, and (in C++,
+    out of reach) the barriers of a graceful shutdown (``READY_ID_{n}``). Fresh children
+    count from 0; a process that already ran a master counts on, so a second
+    :func:`launch_local` with the master in this process (a notebook) waits forever on
+    keys no child writes. The second and later calls run the master in a child of its own.
+    """
+    return getattr(rpc, "_init_counter", 0) > 0
+
+
+class _Deadline:
+    """Kills the children when a master in this process outlives the run's timeout, so every
+    wait of the master (RPC calls to them, the shutdown) ends with an error instead of hanging."""
+
+    def __init__(self, deadline: float | None, procs: list):
+        self.fired = False
+        self._timer = None
+        if deadline is not None:
+            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire, args=(procs,))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self, procs: list) -> None:
+        self.fired = True
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _wait_result(results, procs, deadline):
+    import queue
+    while True:
+        try:
+            status, value = results.get(timeout=0.5)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("the master did not finish in time; processes were killed") from None
+            dead = [(p.name, p.exitcode) for p in procs if p.exitcode not in (None, 0)]
+            if procs[0].exitcode is not None and results.empty():
+                raise RuntimeError(f"the master exited with code {procs[0].exitcode} without a result; others: {dead}")
+            continue
+        if status == "error":
+            raise RuntimeError(f"the master failed:\n{value}")
+        return torch.load(io.BytesIO(value), weights_only=False)
