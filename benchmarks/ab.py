@@ -41,7 +41,7 @@ def _arm(text: str) -> dict:
 
 def _step_time(job, world):
     x, y = mlp_data() if world == WORLD["mlp"] else unet_data()
-    pipe = rpcmp.Pipeline(job, world)
+    pipe = rpcmp.Pipeline(job, world, sample=x)
     return median_time(lambda: pipe.train_step(x, y), warmup=3, steps=15)
 
 

@@ -79,7 +79,7 @@ def _rpcmp_mlp(job, world):
 
 def _rpcmp_unet(job, world):
     x, y = unet_data()
-    pipe = rpcmp.Pipeline(job, world)
+    pipe = rpcmp.Pipeline(job, world, sample=x)  # the job has no data: the names are checked on this batch
     return median_time(lambda: pipe.train_step(x, y))
 
 
@@ -92,7 +92,7 @@ def _rpcmp_hops(job, world):
 
 def _rpcmp_unet_memory(job, world):
     x, y = unet_data(*MEMORY_BATCH)
-    pipe = rpcmp.Pipeline(job, world)
+    pipe = rpcmp.Pipeline(job, world, sample=x)
     for _ in range(2):
         pipe.train_step(x, y)
     procs = [f"worker{r}" for r in range(1, world)]

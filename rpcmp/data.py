@@ -39,7 +39,7 @@ def data_loader(dataset, **kwargs) -> DataLoader:
 
 
 def sample_batch(job) -> Any:
-    """The first training batch's input, for balancing by time; None when the job has no data."""
+    """The first training batch's input (see needs_sample); None when the job has no data."""
     if not needs_sample(job) or job.data is None:
         return None
     x = next(iter(data_loader(datasets(job)[0], batch_size=job.batch_size)))[0]
@@ -47,7 +47,15 @@ def sample_batch(job) -> Any:
 
 
 def needs_sample(job) -> bool:
-    return getattr(job.stages, "by", None) == "time" and getattr(job.stages, "parts", None) is not None
+    """Whether planning the stages needs a batch: Split(by="time") profiles layers on it, and
+    stages given by name are checked against the model's forward on it (rpcmp/chain.py)."""
+    from .partition import declaration_kind
+    if getattr(job.stages, "by", None) == "time" and getattr(job.stages, "parts", None) is not None:
+        return True
+    try:
+        return declaration_kind(job.stages) == "names"
+    except Exception:  # noqa: BLE001 - a bad declaration is reported by plan_stages
+        return False
 
 
 def datasets(job):

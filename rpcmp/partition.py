@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .balance import balance_by_params, balance_by_time
+from .chain import check_chain
 from .errors import PartitionError
 
 __all__ = ["Split", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
@@ -108,6 +109,14 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         dup = sorted({n for n in flat if flat.count(n) > 1})
         if dup:
             raise PartitionError(f"each submodule may appear in one stage only, got {dup} more than once")
+        model = _build_model(job)
+        _check_names(model, flat)
+        if not isinstance(model, nn.Sequential):  # see [Note: a chain of children is the model only if forward is that chain]
+            if sample is None:
+                raise PartitionError(
+                    f"stages given by name are checked against {type(model).__name__}.forward on one sample batch, "
+                    f"but the job has no data: give Job(data=...), or declare the stages as modules or a Split")
+            check_chain(model, flat, sample)
         return specs
     if kind == "modules":
         return [StageSpec(i, _label(s), "modules", prefix=f"{i}.") for i, s in enumerate(stages)]
@@ -141,18 +150,7 @@ def build_stage(job, spec: StageSpec) -> nn.Module:
         return module
     model = _build_model(job)
     if spec.kind == "names":
-        children = [n for n, _ in model.named_children()]
-        order = [children.index(n) if n in children else -1 for n in _all_names(job)]
-        for name in spec.names:
-            if name not in children:
-                raise PartitionError(
-                    f"stage {spec.index}: {type(model).__name__} has no submodule {name!r}; "
-                    f"valid names, in order: {children}"
-                )
-        if order != sorted(order):
-            raise PartitionError(
-                f"stage names must follow the model's submodule order {children}, got {_all_names(job)}"
-            )
+        _check_names(model, _all_names(job))
         if len(spec.names) == 1:
             return getattr(model, spec.names[0])
         # keep the submodule names so that state_dict keys match the unsplit model's
@@ -164,6 +162,16 @@ def build_stage(job, spec: StageSpec) -> nn.Module:
             f"sum of balance: {spec.total}): make the balance add up to {len(seq)}"
         )
     return seq[spec.start:spec.stop]
+
+
+def _check_names(model: nn.Module, names: list[str]) -> None:
+    children = [n for n, _ in model.named_children()]
+    for name in names:
+        if name not in children:
+            raise PartitionError(f"{type(model).__name__} has no submodule {name!r}; valid names, in order: {children}")
+    order = [children.index(n) for n in names]
+    if order != sorted(order):
+        raise PartitionError(f"stage names must follow the model's submodule order {children}, got {names}")
 
 
 def _all_names(job) -> list[str]:

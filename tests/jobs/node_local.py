@@ -4,4 +4,4 @@ import os
 
 from mlp import job
 
-job.checkpoint_dir = os.path.join(os.environ["CKPT_BASE"], f"node{os.environ.get('RANK', '0')}")
+job.checkpoint_dir = os.path.join(os.environ.get("CKPT_BASE", "runs/node-local"), f"node{os.environ.get('RANK', '0')}")

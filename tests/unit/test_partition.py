@@ -20,9 +20,12 @@ def job(**kw):
     return rpcmp.Job(**{"model": unet, "stages": ["encoder", "decoder", "segmentation_head"], **kw})
 
 
+SAMPLE = torch.randn(2, 1, 64, 64)  # names are checked against Unet.forward on a sample (rpcmp/chain.py)
+
+
 def test_names_build_the_unsplit_modules_and_compose_to_the_model():
     j = job()
-    specs = plan_stages(j)
+    specs = plan_stages(j, SAMPLE)
     assert [s.name for s in specs] == ["encoder", "decoder", "segmentation_head"]
     stages = [build_stage(j, s) for s in specs]
     torch.manual_seed(0)
@@ -37,7 +40,7 @@ def test_names_build_the_unsplit_modules_and_compose_to_the_model():
 
 def test_several_names_in_one_stage_keep_their_keys():
     j = job(stages=["encoder", ["decoder", "segmentation_head"]])
-    specs = plan_stages(j)
+    specs = plan_stages(j, SAMPLE)
     stage = build_stage(j, specs[1])
     assert all(k.startswith(("decoder.", "segmentation_head.")) for k in stage.state_dict())
 
@@ -45,15 +48,17 @@ def test_several_names_in_one_stage_keep_their_keys():
 def test_unknown_name_lists_valid_names():
     j = job(stages=["encoder", "decodr"])
     with pytest.raises(PartitionError, match=r"no submodule 'decodr'; valid names, in order: \['encoder', 'decoder', 'segmentation_head'\]"):
-        build_stage(j, plan_stages(j)[1])
+        plan_stages(j, SAMPLE)
 
 
 def test_out_of_order_and_duplicate_names():
     j = job(stages=["decoder", "encoder"])
     with pytest.raises(PartitionError, match="must follow the model's submodule order"):
-        build_stage(j, plan_stages(j)[0])
+        plan_stages(j, SAMPLE)
     with pytest.raises(PartitionError, match=r"more than once"):
-        plan_stages(job(stages=["encoder", "encoder"]))
+        plan_stages(job(stages=["encoder", "encoder"]), SAMPLE)
+    with pytest.raises(PartitionError, match=r"checked against Unet.forward on one sample batch, but the job has no data"):
+        plan_stages(job())
 
 
 def test_explicit_modules_and_factories():
