@@ -185,19 +185,23 @@ def worker(master, rank, token_file, iface):
 def plan(job_file, world_size, overrides):
     """Print how JOB_FILE is cut into stages and placed, without starting any process."""
     from .job import load_job
+    from .microbatch import tensors
     from .partition import build_stage, plan_stages
     from .placement import resolve_placement
-    from .data import sample_batch
+    from .data import first_batch, needs_sample
+    from .microbatch import scatter
     job = load_job(job_file, overrides=overrides)
-    specs = plan_stages(job, sample_batch(job))
+    batch = first_batch(job)
+    specs = plan_stages(job, batch if needs_sample(job) else None)
+    flow = scatter(batch, job.microbatches)[0] if batch is not None else None  # one micro-batch, through the stages
     world_size = world_size or len(specs) + 1
     places = resolve_placement(job.placement, len(specs), world_size)
     cls, kwargs = job.optimizer
     states = _optimizer_states(cls, kwargs)
     table = Table(title=f"{job_file}: {len(specs)} stages on {world_size} processes, "
                         f"{job.microbatches} micro-batches of a {job.batch_size}-sample batch")
-    for col in ("stage", "modules", "parameters", "est. memory", "placement"):
-        table.add_column(col, justify="right" if col in ("parameters", "est. memory") else "left")
+    for col in ("stage", "modules", "parameters", "est. memory", "out / micro-batch", "placement"):
+        table.add_column(col, justify="left" if col in ("stage", "modules", "placement") else "right")
     total = 0
     for spec, place in zip(specs, places):
         module = build_stage(job, spec)
@@ -205,10 +209,14 @@ def plan(job_file, world_size, overrides):
         bytes_ = sum(p.numel() * p.element_size() * (2 + states) for p in module.parameters())
         bytes_ += sum(b.numel() * b.element_size() for b in module.buffers())
         total += n
-        table.add_row(str(spec.index), spec.name, f"{n:,}", _mib(bytes_), str(place))
+        flow = _on_meta(module, flow)
+        crosses = "?" if flow is None else _mib(sum(t.numel() * t.element_size() for t in tensors(flow)))
+        table.add_row(str(spec.index), spec.name, f"{n:,}", _mib(bytes_), crosses, str(place))
     table.caption = (f"{total:,} parameters; memory = weights + gradients + {states} optimizer "
-                     f"state(s) per parameter ({cls.__name__}) + buffers, activations excluded")
-    Console().print(table)
+                     f"state(s) per parameter ({cls.__name__}) + buffers, activations excluded; out / micro-batch: "
+                     f"what the stage sends on (its gradient comes back the same size), shapes from the meta device")
+    console = Console()
+    Console(width=max(console.width, 140)).print(table)  # a piped plan keeps whole stage names
 
 
 @main.command()
@@ -219,6 +227,19 @@ def doctor(master, iface, nodes):
     """Check this node before a job: interfaces, hostname, master port, backends, GPUs."""
     from .doctor import diagnose, render
     sys.exit(0 if render(diagnose(master, iface, nodes), Console(width=160)) else 1)
+
+
+def _on_meta(module, x):
+    """The stage's output for input ``x``, computed on the meta device (shapes and dtypes, no data); None if unknown."""
+    import torch
+    from .microbatch import map_tensors
+    if x is None:
+        return None
+    try:
+        with torch.no_grad():
+            return module.eval().to("meta")(map_tensors(x, lambda t: t.to("meta")))
+    except Exception:  # noqa: BLE001 - an op without a meta kernel: the size stays unknown
+        return None
 
 
 def _optimizer_states(cls, kwargs) -> int:

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from .errors import JobError
 
-__all__ = ["datasets", "epoch_batches", "step_groups", "data_loader", "sample_batch", "needs_sample"]
+__all__ = ["datasets", "epoch_batches", "step_groups", "data_loader", "sample_batch", "needs_sample", "first_batch"]
 
 
 def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -40,10 +40,14 @@ def data_loader(dataset, **kwargs) -> DataLoader:
 
 def sample_batch(job) -> Any:
     """The first training batch's input (see needs_sample); None when the job has no data."""
-    if not needs_sample(job) or job.data is None:
+    return first_batch(job) if needs_sample(job) else None
+
+
+def first_batch(job) -> Any:
+    """The input of the job's first training batch, or None when the job has no data."""
+    if job.data is None:
         return None
-    x = next(iter(data_loader(datasets(job)[0], batch_size=job.batch_size)))[0]
-    return x
+    return next(iter(data_loader(datasets(job)[0], batch_size=job.batch_size)))[0]
 
 
 def needs_sample(job) -> bool:

@@ -70,6 +70,7 @@ from typing import Any
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
+from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 from . import health
@@ -121,9 +122,13 @@ class Pipeline(PipelineState):
         failed = [b for b in built if isinstance(b, Failure)]  # see [Note: failures travel as values]
         if failed:
             raise failed[0].error()
-        self.param_rrefs = [r for refs, _ in built for r in refs]
+        self.param_rrefs = [r for refs, _, _ in built for r in refs]
+        # Each stage as PyTorch's RPC API knows it (forward_async, remote_parameters, get_module_rref); the
+        # pipeline's own hot path runs the same module on its owner, stage to stage, without these handles.
+        self.stages: list[RemoteModule] = [RemoteModule.init_from_module_rref(str(place), module)
+                                           for (_, _, module), place in zip(built, self.places)]
         # See [Note: BatchNorm and micro-batches].
-        self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn in built)
+        self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn, _ in built)
         cls, kwargs = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
@@ -411,7 +416,7 @@ class Pipeline(PipelineState):
         owners = set(self._owners)
         wait_all([rpc.rpc_async(o, _stage._release, args=(self.pid,)) for o in owners])
         self.optimizer = None
-        self.param_rrefs = []
+        self.param_rrefs, self.stages = [], []
         self._threads.shutdown(wait=False)
 
     def _each(self, fn, *args) -> list:

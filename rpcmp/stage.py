@@ -188,10 +188,11 @@ def _whoami() -> str:
 
 
 def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float, options: dict):
-    """Build stage ``spec`` here; return RRefs of its parameters for the DistributedOptimizer
-    and whether it has BatchNorm layers, or a :class:`Failure` (see [Note: failures travel as
-    values]). ``options``: the master's Job settings that shape a stage (the job file imported
-    here may have been overridden on the master)."""
+    """Build stage ``spec`` here; return RRefs of its parameters for the DistributedOptimizer,
+    whether it has BatchNorm layers and an RRef of the module (the master's ``RemoteModule``
+    handle), or a :class:`Failure` (see [Note: failures travel as values]). ``options``: the
+    master's Job settings that shape a stage (the job file imported here may have been
+    overridden on the master)."""
     try:
         device = check_device(place)
         # Builds of two stages on one process run on two RPC threads: each seeds the global RNG and
@@ -207,7 +208,7 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
     _HOSTS[(pid, spec.index)] = _StageHost(pid, spec, place, module, device, next_process, keep, timeout,
                                            autocast, bool(options["recompute"]))
-    return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn
+    return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
 
 
 def _done(value: Any) -> torch.futures.Future:

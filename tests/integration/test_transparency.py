@@ -90,3 +90,26 @@ def _timed_split(job, world_size):
 def test_a_pipeline_balanced_by_time_draws_its_sample_from_the_job():
     specs, loss = run_ranks("mlp", 3, _timed_split, timeout=240)
     assert specs[0][0] == 0 and specs[-1][1] == 7 and len(specs) == 2 and loss > 0
+
+
+def _remote_modules(job, world_size):
+    from torch.distributed.nn import RemoteModule
+    pipe = rpcmp.Pipeline(job, world_size)
+    x = batches(1)[0][0]
+    kinds = [isinstance(s, RemoteModule) for s in pipe.stages]
+    owners = [s.get_module_rref().owner().name for s in pipe.stages]
+    h = x
+    for stage in pipe.stages:  # the stages, called one by one through PyTorch's RPC API
+        h = stage.forward_async(h).wait()
+    names = [len(s.remote_parameters()) for s in pipe.stages]
+    whole = pipe.predict(x)
+    pipe.close()
+    return kinds, owners, h, whole, names
+
+
+@pytest.mark.timeout(300)
+def test_stages_are_remote_modules_on_their_owners():
+    kinds, owners, chained, whole, params = run_ranks("mlp", 3, _remote_modules, timeout=240)
+    assert kinds == [True, True] and owners == ["worker1", "worker2"]
+    assert params == [4, 6]  # Linear + LayerNorm in stage 0; 3 Linear in stage 1
+    assert_close(chained, whole, rtol=0, atol=0)
