@@ -9,11 +9,11 @@ Declare stages in a job file, then launch it::
 from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NonFiniteLossError, PartitionError,
                      PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError)
 from .job import Job, load_job
-from .partition import Split
+from .partition import Split, SplitAt
 from .pipeline import Pipeline
 
 __all__ = [
-    "Job", "Split", "Pipeline", "load_job",
+    "Job", "Split", "SplitAt", "Pipeline", "load_job",
     "RpcmpError", "JobError", "NonFiniteLossError", "PartitionError", "PlacementError", "MicroBatchError", "StageError", "StageOutputError",
     "CheckpointError", "CheckpointWriteError", "LaunchError", "RunAbortedError",
 ]

@@ -57,7 +57,7 @@ def needs_sample(job) -> bool:
     if getattr(job.stages, "by", None) == "time" and getattr(job.stages, "parts", None) is not None:
         return True
     try:
-        return declaration_kind(job.stages) == "names"
+        return declaration_kind(job.stages) in ("names", "traced")
     except Exception:  # noqa: BLE001 - a bad declaration is reported by plan_stages
         return False
 

@@ -25,9 +25,10 @@ from torch import nn
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
+from .traced import SplitAt, example_of, from_example, stage_module, trace_split
 from .errors import PartitionError
 
-__all__ = ["Split", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
+__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,15 @@ class StageSpec:
     stop: int = 0
     prefix: str = ""  # key prefix of this stage's state_dict in the unsplit model's
     total: int = 0  # "slice": layers the whole nn.Sequential must have (sum of the balance)
+    example: Any = None  # "traced": shapes and dtypes of the micro-batch the owner traces with
+    has_bn: bool = False  # "traced": the model has BatchNorm (a traced graph holds no BatchNorm modules)
 
 
 def declaration_kind(stages: Any) -> str:
     if isinstance(stages, Split):
         return "slice"
+    if isinstance(stages, SplitAt):
+        return "traced"
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or len(stages) == 0:
         raise PartitionError(
             f"stages must be a non-empty list of submodule names, of modules / factories, or a "
@@ -120,6 +125,8 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         return specs
     if kind == "modules":
         return [StageSpec(i, _label(s), "modules", prefix=f"{i}.") for i, s in enumerate(stages)]
+    if kind == "traced":
+        return _plan_traced(job, sample)
     balance = list(stages.balance) if stages.balance is not None else None
     if balance is None:
         model = _build_model(job)
@@ -141,6 +148,8 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
 def build_stage(job, spec: StageSpec) -> nn.Module:
     """Build the module of one stage (owner side). Seeded so that every process's
     construction matches the unsplit model built with ``torch.manual_seed(job.seed)``."""
+    if spec.kind == "traced":  # see [Note: split points on the traced model]
+        return stage_module(trace_split(_build_model(job), job.stages, from_example(spec.example)), spec.index)
     if spec.kind == "modules":
         torch.manual_seed(job.seed)
         item = job.stages[spec.index]
@@ -162,6 +171,25 @@ def build_stage(job, spec: StageSpec) -> nn.Module:
             f"sum of balance: {spec.total}): make the balance add up to {len(seq)}"
         )
     return seq[spec.start:spec.stop]
+
+
+def _plan_traced(job, sample: Any) -> list[StageSpec]:
+    """Trace the model once on the master: how many stages the cuts give, and what the owners trace with."""
+    from .microbatch import scatter
+    if sample is None:
+        raise PartitionError("SplitAt traces the model on one batch, but the job has no data: give Job(data=...) "
+                             "or Pipeline(..., sample=batch)")
+    example = scatter(sample, job.microbatches)[0]
+    model = _build_model(job)
+    pipe = trace_split(model, job.stages, example)
+    keys = {k for i in range(pipe.num_stages) for k in pipe.get_stage_module(i).state_dict()}
+    if keys != set(model.state_dict()):  # the promise of SplitAt: the unsplit model's names, all of them
+        raise PartitionError(f"SplitAt: the traced stages hold other state than {type(model).__name__} "
+                             f"({sorted(keys ^ set(model.state_dict()))[:5]}...); declare the stages another way")
+    bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
+    return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
+                      example=example_of(example), has_bn=bn) for i in range(pipe.num_stages)]
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:

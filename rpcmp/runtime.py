@@ -23,7 +23,7 @@ from .errors import RunAbortedError, StageError
 from .health import Watchdog, WorkerLostError
 from .job import Job, load_job
 from .network import preflight
-from .partition import Split
+from .partition import Split, SplitAt
 from .placement import device_maps_for, process_name, resolve_placement
 
 __all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
@@ -151,7 +151,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     _fresh_store_prefix()
     options = _backend_options(job, world_size)
     if job.device_maps:
-        count = job.stages.count if isinstance(job.stages, Split) else len(job.stages)
+        count = job.stages.count if isinstance(job.stages, (Split, SplitAt)) else len(job.stages)
         places = resolve_placement(job.placement, count, world_size)
         for peer, mapping in device_maps_for(places, process_name(rank)).items():
             options.set_device_map(peer, mapping)

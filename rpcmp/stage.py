@@ -202,7 +202,7 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
     except Exception as exc:  # noqa: BLE001 - reported on the master
         return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
     keep = bool(options["device_maps"])
-    bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    bn = spec.has_bn or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
     if options["recompute"]:
         make_recomputable(module)
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])

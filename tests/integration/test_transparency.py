@@ -113,3 +113,48 @@ def test_stages_are_remote_modules_on_their_owners():
     assert kinds == [True, True] and owners == ["worker1", "worker2"]
     assert params == [4, 6]  # Linear + LayerNorm in stage 0; 3 Linear in stage 1
     assert_close(chained, whole, rtol=0, atol=0)
+
+
+# Small steps: random labels on ResNet-18 at lr 0.1 diverge within 3 steps, where float32 rounding
+# (another thread count, another conv kernel) grows past any tolerance.
+TRACED_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 1e-3})}
+TRACED = [(opt, sched) for opt in TRACED_OPTIMIZERS for sched in ("overlap", "1f1b", "gpipe")]
+
+
+def _train_traced(job, world_size):
+    train, _ = job.data()
+    data = [train[i * job.batch_size:(i + 1) * job.batch_size] for i in range(STEPS)]
+    out = {}
+    for opt, sched in TRACED:
+        pipe = rpcmp.Pipeline(job, world_size, optimizer=TRACED_OPTIMIZERS[opt], schedule=sched)
+        losses = [pipe.train_step(x, y).item() for x, y in data]
+        out[(opt, sched)] = (losses, pipe.state_dict(), [s.name for s in pipe.specs], pipe.batch_chunks)
+        pipe.close()
+    return out, data
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("model,stages", [("resnet", 3), ("classifier", 2)])
+def test_split_at_trains_as_the_unsplit_model(model, stages):
+    """ResNet-18 (flatten, residual adds, BatchNorm) and a classifier with F.relu in forward,
+    cut on the traced graph: params after 3 steps equal the unsplit model's, with its keys."""
+    # One intra-op thread everywhere: convolutions then use the same kernels in the stages and in the
+    # reference, and Adam (which turns a rounding difference in a near-zero gradient into a step of
+    # size lr) sees the same gradients.
+    runs, data = run_ranks(f"traced_{model}", stages, _train_traced, overrides={"threads": 1}, timeout=360)
+    job = load(f"traced_{model}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        refs = {}
+        for opt in TRACED_OPTIMIZERS:
+            torch.manual_seed(job.seed)
+            refs[opt] = train_reference(job.model(), TRACED_OPTIMIZERS[opt], job.loss, data)
+    finally:
+        torch.set_num_threads(threads)
+    for (opt, sched), (losses, state, names, chunks) in runs.items():
+        ref_losses, ref_state = refs[opt]
+        assert len(names) == stages and chunks == (1 if model == "resnet" else 4)  # BatchNorm: whole batch
+        assert sorted(state) == sorted(ref_state)  # the unsplit model's keys, all of them
+        assert_close(losses, ref_losses, msg=lambda m: f"{model} {opt} {sched}: {m}")
+        assert_close(state, ref_state, msg=lambda m: f"{model} {opt} {sched}: {m}")

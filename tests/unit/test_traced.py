@@ -1,0 +1,66 @@
+"""SplitAt: stages cut from the traced graph compose to the model, with its parameter names."""
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torch.nn import functional as F
+
+import rpcmp
+from rpcmp.errors import PartitionError
+from rpcmp.partition import build_stage, plan_stages
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x)))
+
+
+def _compose(job, sample):
+    specs = plan_stages(job, sample)
+    stages = [build_stage(job, s) for s in specs]
+    h = sample
+    for stage in stages:
+        h = stage(h)
+    return specs, stages, h
+
+
+def test_a_resnet_cut_in_three_keeps_flatten_and_every_name():
+    resnet = lambda: torchvision.models.resnet18(num_classes=10)  # noqa: E731
+    job = rpcmp.Job(model=resnet, stages=rpcmp.SplitAt("layer2", "layer4"), microbatches=2)
+    x = torch.randn(8, 3, 32, 32)
+    specs, stages, out = _compose(job, x)
+    assert [s.name for s in specs] == ["input..layer2", "layer2..layer4", "layer4..output"]
+    assert all(s.has_bn for s in specs)
+    torch.manual_seed(job.seed)
+    whole = resnet()
+    torch.testing.assert_close(out, whole(x))  # train mode, another batch size than the traced micro-batch
+    keys = [k for s in stages for k in s.state_dict()]
+    assert sorted(keys) == sorted(whole.state_dict()) and len(keys) == len(set(keys))
+    torch.testing.assert_close({k: v for s in stages for k, v in s.state_dict().items()}, whole.state_dict())
+
+
+def test_a_functional_op_in_forward_is_kept():
+    job = rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc2"))
+    x = torch.randn(4, 16)
+    _, stages, out = _compose(job, x)
+    torch.manual_seed(job.seed)
+    torch.testing.assert_close(out, Classifier()(x))
+
+
+def test_split_at_errors_say_what_and_how():
+    with pytest.raises(PartitionError, match=r"has no submodule \['fc3'\]; its children, in order: \['fc1', 'fc2'\]"):
+        plan_stages(rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc3")), torch.randn(4, 16))
+    with pytest.raises(PartitionError, match="the job has no data"):
+        plan_stages(rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc2")))
+
+    class DataDependent(Classifier):
+        def forward(self, x):
+            h = self.fc1(x)
+            return self.fc2(h) if h.sum() > 0 else self.fc2(-h)
+
+    with pytest.raises(PartitionError, match=r"tracing DataDependent.forward with torch.export failed.*Data-dependent"):
+        plan_stages(rpcmp.Job(model=DataDependent, stages=rpcmp.SplitAt("fc2")), torch.randn(4, 16))
