@@ -25,7 +25,7 @@ from torch import nn
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
-from .traced import SplitAt, example_of, from_example, stage_module, trace_split
+from .traced import SplitAt, check_any_batch_size, example_of, from_example, stage_module, trace_split
 from .errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
@@ -186,6 +186,7 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
     if keys != set(model.state_dict()):  # the promise of SplitAt: the unsplit model's names, all of them
         raise PartitionError(f"SplitAt: the traced stages hold other state than {type(model).__name__} "
                              f"({sorted(keys ^ set(model.state_dict()))[:5]}...); declare the stages another way")
+    check_any_batch_size(pipe, example)
     bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",

@@ -145,6 +145,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     preflight(rank, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
     local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch.set_num_threads(job.threads or default_threads(local))
+    _agree_on_attempt(world_size)
     if job.mode == "ddp":
         return _run_ddp_rank(job, rank, world_size, main)
     _stage.set_job(job)
@@ -217,6 +218,27 @@ def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
     finally:
         leave()
     return result if rank == 0 else None
+
+
+def _agree_on_attempt(world_size: int) -> None:
+    """[Note: one attempt number for every node]
+    Under torchrun, ``TORCHELASTIC_RESTART_COUNT`` numbers the store keys of each attempt
+    (``env://`` rendezvous: ``/worker/attempt_{n}``; rpcmp's RPC prefix below). But it is
+    per node: the node whose rank failed counts a restart, a node that restarts because the
+    membership changed does not. After rank 0 was killed, node 0 joined attempt 1 while the
+    others read attempt 0's keys, with the dead master's address in them, and failed with
+    "connection refused". The agent store outlives every attempt, so each process counts
+    itself in there once at start: the n-th process to arrive belongs to attempt
+    (n - 1) // world_size, the same number on every node (for a fixed world size).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # not under torchrun (launch_local and daemons: a fresh store per run)
+    import torch.distributed as dist
+    from datetime import timedelta
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))
+    arrived = store.add("rpcmp/arrived", 1)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str((arrived - 1) // world_size)
 
 
 def _fresh_store_prefix() -> None:

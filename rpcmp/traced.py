@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "example_of", "from_example"]
+__all__ = ["SplitAt", "trace_split", "stage_module", "check_any_batch_size", "example_of", "from_example"]
 
 
 @dataclass(frozen=True)
@@ -81,19 +81,88 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
             f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
 
 
-class _Spread:
-    """Calls a traced stage with the previous stage's outputs as positional arguments."""
+class _Route:
+    """Runs one traced stage inside rpcmp's stage-to-stage chain.
 
-    def __init__(self, forward):
-        self.forward = forward
+    The split graph may hand a value to a stage further on (a Unet encoder's features reach
+    the decoder, two stages later). rpcmp passes each stage's output to the next stage
+    only, so every stage receives a tuple of the values still needed (``inputs``), calls its
+    graph with the ones it reads, and passes on the values later stages or the model's
+    output need (``outputs``): skip values travel through the stages between.
+    """
+
+    def __init__(self, forward, inputs: list[str], args: list[str], produced: dict[str, Any], outputs: list[str],
+                 last: bool):
+        self.forward, self.inputs, self.args, self.produced, self.outputs, self.last = \
+            forward, inputs, args, produced, outputs, last
 
     def __call__(self, x):
-        return self.forward(*x) if isinstance(x, tuple) else self.forward(x)
+        values = dict(zip(self.inputs, x if len(self.inputs) > 1 or isinstance(x, tuple) else (x,)))
+        out = self.forward(*(values[a] for a in self.args))
+        for name, index in self.produced.items():
+            values[name] = out if index is None else out[index]
+        if self.last:
+            return values[self.outputs[0]]
+        return tuple(values[n] for n in self.outputs)
+
+
+def _routes(pipe) -> list[tuple[list[str], list[str], dict[str, Any], list[str]]]:
+    """(inputs, args, produced, outputs) of each stage, read from the split graph."""
+    graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    source = {}  # value name -> (stage, index in its output or None)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.args and n.args[0] in calls:
+            source[n.name] = (calls.index(n.args[0]), n.args[1])
+    for i, c in enumerate(calls):
+        if any(u.op != "call_function" for u in c.users):  # the output used whole
+            source[c.name] = (i, None)
+    inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    final = [a.name for a in pytree.tree_leaves(out_node.args) if hasattr(a, "name")]
+    needed_after = []
+    for i in range(len(calls)):
+        later = {a.name for c in calls[i + 1:] for a in c.args} | set(final)
+        needed_after.append(later)
+    routes, carry = [], inputs
+    for i, c in enumerate(calls):
+        produced = {name: idx for name, (stage, idx) in source.items() if stage == i}
+        available = list(carry) + [n for n in produced if n not in carry]
+        outputs = [n for n in available if n in needed_after[i]]
+        routes.append((list(carry), [a.name for a in c.args], produced, outputs))
+        carry = outputs
+    return routes
+
+
+def check_any_batch_size(pipe, example: Any) -> None:
+    """Refuse a traced graph that holds the micro-batch size it was traced with (a reshape to a
+    fixed size, as ``nn.MultiheadAttention`` does): the stages also run a whole batch (BatchNorm),
+    a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from .microbatch import batch_size
+    n = batch_size(example)
+    bigger = pytree.tree_map(lambda t: torch.cat([t, t[:1]]) if t.dim() else t, example)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            h = pytree.tree_map(mode.from_tensor, bigger)
+            for i in range(pipe.num_stages):
+                h = stage_module(pipe, i)(h)
+    except Exception as exc:  # noqa: BLE001 - any failure here is the same finding
+        raise PartitionError(
+            f"SplitAt: the traced graph fixes the batch size "
+            f"it was traced with ({n} samples per micro-batch): run on {n + 1} it fails with {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}. rpcmp's stages also run whole batches, a smaller last micro-batch and "
+            f"evaluation batches, so such a model cannot be cut on its traced graph yet: declare the stages as modules, "
+            f"or as an nn.Sequential cut with rpcmp.Split") from None
+    finally:
+        for i in range(pipe.num_stages):  # undo the routing installed for the check
+            pipe.get_stage_module(i).__dict__.pop("forward", None)
 
 
 def stage_module(pipe, index: int) -> nn.Module:
-    """Stage ``index`` of the traced ``pipe``, callable with one argument as every rpcmp stage is."""
+    """Stage ``index`` of the traced ``pipe``, callable with one argument as every rpcmp stage is
+    (see :class:`_Route`)."""
     module = pipe.get_stage_module(index)
-    if index > 0:  # a stage after the first takes what the one before returned, spread over its inputs
-        module.forward = _Spread(module.forward)
+    inputs, args, produced, outputs = _routes(pipe)[index]
+    module.forward = _Route(module.forward, inputs, args, produced, outputs, index == pipe.num_stages - 1)
     return module

@@ -64,3 +64,28 @@ def test_split_at_errors_say_what_and_how():
 
     with pytest.raises(PartitionError, match=r"tracing DataDependent.forward with torch.export failed.*Data-dependent"):
         plan_stages(rpcmp.Job(model=DataDependent, stages=rpcmp.SplitAt("fc2")), torch.randn(4, 16))
+
+
+def test_a_unet_cut_inside_its_encoder_hands_the_skip_features_on():
+    import segmentation_models_pytorch as smp
+    unet = lambda: smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1)  # noqa: E731
+    job = rpcmp.Job(model=unet, stages=rpcmp.SplitAt("encoder.layer3", "decoder"), microbatches=2)
+    x = torch.randn(4, 1, 64, 64)
+    specs, stages, out = _compose(job, x)
+    assert [s.name for s in specs] == ["input..encoder.layer3", "encoder.layer3..decoder", "decoder..output"]
+    torch.manual_seed(job.seed)
+    torch.testing.assert_close(out, unet()(x))
+
+
+def test_a_graph_that_fixes_the_batch_size_is_refused():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.attn, self.head = nn.Linear(8, 16), nn.MultiheadAttention(16, 4, batch_first=True), nn.Linear(16, 2)
+
+        def forward(self, x):
+            h = self.emb(x)
+            return self.head(self.attn(h, h, h, need_weights=False)[0])
+
+    with pytest.raises(PartitionError, match=r"fixes the batch size it was traced with \(2 samples per micro-batch\)"):
+        plan_stages(rpcmp.Job(model=Attention, stages=rpcmp.SplitAt("head"), microbatches=2), torch.randn(4, 5, 8))
