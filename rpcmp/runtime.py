@@ -176,7 +176,9 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         left = _shutdown(graceful=error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
     if error is not None:
         raise error
-    if rank != 0 and not (left and _OUTCOME["ok"]):
+    # The master's word decides: a shutdown that fails after it said "ended normally" (the master
+    # left first and took the rendezvous store with it) is no failure of the job.
+    if rank != 0 and not _OUTCOME["ok"]:
         raise RunAbortedError(f"{process_name(rank)}: the master " + ("ended with an error (its log says which)" if left
                               else "stopped answering before the job ended") + "; this rank exits 1")
     return result
