@@ -78,8 +78,8 @@ def check_chain(model: nn.Module, chain: list[str], sample: Any) -> None:
                              f"{chain[-1]!r}. {_FIX}")
 
 
-_FIX = ("Wrap that computation into a module of the chain, or declare the stages as modules "
-        "(stages=[module_or_factory, ...]) or as an nn.Sequential cut with rpcmp.Split, which include it")
+_FIX = ("Cut the traced model instead, which keeps every operation of forward: stages=rpcmp.SplitAt(<name of the "
+        "first submodule of each stage after the first>, ...); or wrap that computation into a module of the chain")
 
 
 def _owner(node, chain: list[str]) -> str | None:
