@@ -99,6 +99,10 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
             watch = _Deadline(deadline, procs)
             try:
                 result = run_rank(job_path, 0, nprocs, main, overrides, local_procs=nprocs)
+            except Exception as exc:
+                if watch.fired:  # the master's error is what killing the workers caused
+                    raise TimeoutError(f"the run outlived timeout={timeout}s: its processes were killed") from exc
+                raise
             finally:
                 watch.cancel()
                 for k, v in saved.items():
