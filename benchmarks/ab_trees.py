@@ -1,0 +1,69 @@
+"""Two source trees of rpcmp against each other (a commit before and after a change), in
+alternating launches of the bench's own MLP (M=4) or split-Unet step.
+
+    git worktree add /tmp/before <commit>
+    .venv/bin/python benchmarks/ab_trees.py /tmp/before . --rounds 4 [--job unet]
+
+Each launch runs in a fresh interpreter with ``PYTHONPATH`` set to its tree, so the tree's
+own ``rpcmp`` is the one imported (and the tree's own ``benchmarks/bench.py`` measures).
+The median over launches of each launch's median step time is reported.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import click
+
+_LAUNCH = r'''
+import os, sys
+tree = sys.argv[1]
+sys.path[:0] = [os.path.join(tree, "benchmarks"), tree]
+import rpcmp, bench
+try:
+    from rpcmp.local import launch_local
+except ImportError:  # trees from before rpcmp/local.py
+    from rpcmp.runtime import launch_local
+
+def main(job, world):
+    x, y = bench.mlp_data() if sys.argv[2] == "mlp" else bench.unet_data()
+    pipe = rpcmp.Pipeline(job, world, microbatches=4)
+    seconds = bench.median_time(lambda: pipe.train_step(x, y))
+    pipe.close()
+    return seconds
+
+if __name__ == "__main__":
+    world = 2 if sys.argv[2] == "mlp" else 3
+    print("RESULT", launch_local(os.path.join(tree, "benchmarks", "jobs", sys.argv[2] + ".py"), world, main,
+                                 master_in_process=False))
+'''
+
+
+@click.command()
+@click.argument("trees", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--job", type=click.Choice(["mlp", "unet"]), default="mlp", show_default=True)
+@click.option("--rounds", type=int, default=4, show_default=True)
+def main(trees, job, rounds):
+    times = {t: [] for t in trees}
+    launcher = os.path.join(tempfile.mkdtemp(), "launch.py")  # a file: spawned children re-import the main module
+    with open(launcher, "w") as f:
+        f.write(_LAUNCH)
+    for r in range(rounds):
+        for tree in trees:
+            tree_abs = os.path.abspath(tree)
+            out = subprocess.run([sys.executable, launcher, tree_abs, job], capture_output=True, text=True,
+                                 cwd=tree_abs, timeout=600, env={**os.environ, "PYTHONPATH": tree_abs})
+            found = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+            if not found:
+                raise click.ClickException(f"{tree}: no result\n{out.stderr[-2000:]}")
+            times[tree].append(float(found[0].split()[1]) * 1000)
+            print(f"round {r + 1} {tree}: {times[tree][-1]:.1f} ms", flush=True)
+    for tree, ts in times.items():
+        print(f"{tree}: median {statistics.median(ts):.1f} ms over {len(ts)} launches ({', '.join(f'{t:.1f}' for t in ts)})")
+
+
+if __name__ == "__main__":
+    main()
