@@ -172,8 +172,7 @@ def worker(master, rank, token_file, iface):
         select_interface(iface)
         serve_forever(master, rank, read_token(None, token_file))
     except RpcmpError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}", highlight=False,
-                                   soft_wrap=True)
+        report(exc)
         sys.exit(2)
 
 

@@ -22,7 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from .errors import JobError
+from .errors import JobError, RunAbortedError
+from .health import WorkerLostError, describe
 from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, to_device
 from .data import data_loader, step_groups
@@ -252,11 +253,9 @@ class DDPEngine:
             return
         while not beats.store.check([key]):
             if beats.silent(self.job.hang_timeout or 300.0, ranks=[0]):
-                from .health import WorkerLostError, describe
                 raise WorkerLostError(describe(["master"], "stopped answering while writing a checkpoint"))
             time.sleep(0.05)
         if beats.store.get(key) != b"ok":
-            from .errors import RunAbortedError
             raise RunAbortedError(f"rank {self.rank}: rank 0 failed to write the checkpoint of step {step} (its log says why)")
 
     def resume_checkpoint(self, directory: str) -> dict | None:

@@ -94,21 +94,7 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     try:
         _wait_started(started, procs, deadline)
         if master_in_process:
-            saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", *_LOCAL_ENV)}
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
-            watch = _Deadline(deadline, procs)
-            try:
-                result = run_rank(job_path, 0, nprocs, main, overrides, local_procs=nprocs)
-            except Exception as exc:
-                if watch.fired:  # the master's error is what killing the workers caused
-                    raise TimeoutError(f"the run outlived timeout={timeout}s: its processes were killed") from exc
-                raise
-            finally:
-                watch.cancel()
-                for k, v in saved.items():
-                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-            if watch.fired:
-                raise TimeoutError(f"the run outlived timeout={timeout}s: its processes were killed")
+            result = _master_here(job_path, nprocs, port, main, overrides, procs, deadline, timeout)
         else:
             result = _wait_result(results, procs, deadline)
         for p in procs:
@@ -125,6 +111,26 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def _master_here(job_path, nprocs, port, main, overrides, procs, deadline, timeout) -> Any:
+    """Rank 0 in this process, on loopback, its children killed if it outlives ``timeout``."""
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", *_LOCAL_ENV)}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
+    watch = _Deadline(deadline, procs)
+    try:
+        result = run_rank(job_path, 0, nprocs, main, overrides, local_procs=nprocs)
+    except Exception as exc:
+        if watch.fired:  # the master's error is what killing the workers caused
+            raise TimeoutError(f"the run outlived timeout={timeout}s: its processes were killed") from exc
+        raise
+    finally:
+        watch.cancel()
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    if watch.fired:
+        raise TimeoutError(f"the run outlived timeout={timeout}s: its processes were killed")
+    return result
 
 
 def _wait_started(started, procs, deadline) -> None:

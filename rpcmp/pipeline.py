@@ -79,7 +79,7 @@ from .errors import JobError, NonFiniteLossError, StageError
 from .failure import Failure
 from .data import needs_sample, sample_batch
 from .futures import wait_all
-from .hparams import make_probe, scheduled_fields
+from .hparams import load_scheduler_state, make_probe, scheduled_fields, scheduler_state
 from .job import SCHEDULES
 from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
 from .partition import StageSpec, plan_stages
@@ -331,6 +331,13 @@ class Pipeline(PipelineState):
             return
         self._probe.step()
         self.scheduler.step()
+        self._send_fields()
+
+    def scheduler_state(self) -> dict:
+        return scheduler_state(self.scheduler, self._probe)
+
+    def load_scheduler_state(self, state: dict) -> None:
+        load_scheduler_state(self.scheduler, self._probe, state)
         self._send_fields()
 
     def _send_fields(self) -> None:

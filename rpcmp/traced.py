@@ -101,9 +101,8 @@ class _Route:
         out = self.forward(*(values[a] for a in self.args))
         for name, index in self.produced.items():
             values[name] = out if index is None else out[index]
-        if self.last:
-            return values[self.outputs[0]]
-        return tuple(values[n] for n in self.outputs)
+        out = tuple(values[n] for n in self.outputs)
+        return out[0] if self.last and len(out) == 1 else out
 
 
 def _routes(pipe) -> list[tuple[list[str], list[str], dict[str, Any], list[str]]]:

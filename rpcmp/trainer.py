@@ -16,7 +16,6 @@ from .checkpoint import (CheckpointError, check_model_keys, latest_checkpoint, l
                          new_run_id, save_checkpoint)
 from . import health
 from .errors import JobError
-from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, gather
 from .data import data_loader, datasets, epoch_batches, step_groups
 from .pipeline import Pipeline
@@ -231,11 +230,10 @@ class PipelineEngine:
         self.pipe.loss_scale = value
 
     def scheduler_state(self) -> dict:
-        return scheduler_state(self.pipe.scheduler, self.pipe._probe)
+        return self.pipe.scheduler_state()
 
     def load_scheduler_state(self, state) -> None:
-        load_scheduler_state(self.pipe.scheduler, self.pipe._probe, state)
-        self.pipe._send_fields()
+        self.pipe.load_scheduler_state(state)
 
     @contextlib.contextmanager
     def saving(self, step: int):

@@ -30,7 +30,7 @@ def run_ranks(job: str, nprocs: int, main, overrides: dict | None = None, timeou
     return launch_local(job_path(job), nprocs, main, overrides=overrides, timeout=timeout, master_in_process=False)
 
 
-def assert_close(actual, expected, **kwargs) -> None:
+def assert_close_f32(actual, expected, **kwargs) -> None:
     """``torch.testing.assert_close`` for float32 results, with float32 tolerances.
 
     A float32 loss read with ``.item()`` becomes a Python float, which ``assert_close``

@@ -8,7 +8,7 @@ import torch
 
 import rpcmp
 import torch.distributed.rpc as rpc
-from helpers import assert_close, batches, load, run_ranks, train_reference
+from helpers import assert_close_f32, batches, load, run_ranks, train_reference
 from rpcmp import state as _state
 
 pytestmark = pytest.mark.integration
@@ -70,9 +70,9 @@ def test_whole_batch_batchnorm_does_not_depend_on_m_and_equals_the_unsplit_model
     ref_losses, ref_state, ref_out = _reference(batches(STEPS, size=8, seed=3))
     losses, state, out, chunks = runs[("batch", m, sched)]
     assert chunks == 1
-    assert_close(losses, ref_losses)
-    assert_close(state, ref_state)  # parameters and running statistics
-    assert_close(out, ref_out)
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(state, ref_state)  # parameters and running statistics
+    assert_close_f32(out, ref_out)
 
 
 @pytest.mark.timeout(300)
@@ -83,8 +83,8 @@ def test_micro_batchnorm_pipelines_with_per_micro_batch_statistics(runs, sched):
     losses1, state1, _, chunks1 = runs[("micro", 1, sched)]
     losses4, state4, _, chunks4 = runs[("micro", 4, sched)]
     assert (chunks1, chunks4) == (1, 4)
-    assert_close(losses1, ref_losses)  # M = 1 is plain BatchNorm
-    assert_close(state1, ref_state)
+    assert_close_f32(losses1, ref_losses)  # M = 1 is plain BatchNorm
+    assert_close_f32(state1, ref_state)
     assert abs(losses4[1] - ref_losses[1]) > 1e-4  # per-micro-batch normalisation really changes training
     assert int(state4["1.num_batches_tracked"]) == 4 * STEPS  # running statistics updated per micro-batch
 
@@ -94,10 +94,10 @@ def test_micro_batchnorm_pipelines_with_per_micro_batch_statistics(runs, sched):
 def test_recompute_gives_the_same_training_and_batchnorm_statistics(runs, sched):
     loss, state = runs[("one step", sched, True)]
     ref_loss, ref_state = runs[("one step", sched, False)]
-    assert_close(loss, ref_loss, rtol=0, atol=0)  # the loss comes from the first forward: the same operations
+    assert_close_f32(loss, ref_loss, rtol=0, atol=0)  # the loss comes from the first forward: the same operations
     # Gradients may add up in another order (float rounding); a second running-statistics update
     # would move the running mean and variance by the momentum (10%).
-    assert_close(state, ref_state)
+    assert_close_f32(state, ref_state)
     assert int(state["1.num_batches_tracked"]) == int(ref_state["1.num_batches_tracked"]) == 4
 
 
@@ -118,7 +118,7 @@ def _dropout_runs(job, world_size):
 def test_recompute_draws_the_same_dropout_masks():
     runs = run_ranks("dropout", 3, _dropout_runs, timeout=240)
     assert runs[True][0] == runs[False][0]
-    assert_close(runs[True][1], runs[False][1], rtol=0, atol=0)
+    assert_close_f32(runs[True][1], runs[False][1], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(300)
@@ -140,7 +140,7 @@ def test_bf16_autocast_equals_autocast_on_the_unsplit_model(runs):
             opt.step()
             ref[dtype].append(loss.item())
     assert max(abs(a - b) for a, b in zip(losses, ref[None])) > 1e-4  # bf16 really ran
-    assert_close(losses, ref[torch.bfloat16], rtol=2e-3, atol=2e-3)
+    assert_close_f32(losses, ref[torch.bfloat16], rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.timeout(300)
@@ -149,7 +149,7 @@ def test_fp16_overflow_skips_the_step_on_every_stage_and_lowers_the_scale(runs):
     assert overflows >= 1
     params = [k for k in states[0] if k.endswith(("weight", "bias"))]  # (BatchNorm's running statistics did move)
     assert {k[0] for k in params} == {"0", "1", "3", "4", "6"}  # both stages' parameters
-    assert_close({k: states[1][k] for k in params}, {k: states[0][k] for k in params})
+    assert_close_f32({k: states[1][k] for k in params}, {k: states[0][k] for k in params})
     assert scales[0] == 2.0 ** 23 and scales == sorted(scales, reverse=True)
     stepped = [i for i in range(1, len(states)) if not torch.equal(states[i]["0.weight"], states[i - 1]["0.weight"])]
     assert stepped and len(stepped) == len(states) - 1 - overflows  # every finite step updated the parameters

@@ -10,7 +10,7 @@ import segmentation_models_pytorch as smp
 import torch
 
 import rpcmp
-from helpers import assert_close, load, run_ranks
+from helpers import assert_close_f32, load, run_ranks
 from rpcmp.checkpoint import load_checkpoint
 from rpcmp.trainer import PipelineEngine, _save, fit
 
@@ -39,8 +39,8 @@ def test_train_2n_equals_n_save_restore_n_under_another_split(tmp_path, first, s
     assert sorted(p for p in os.listdir(straight) if ".stage-" in p) == \
         [f"step-{s:08d}.{run}.stage-{i}.pt" for s in (9, 10) for i in range(len(first))]  # keep_last=2 per stage
     assert b["run"] == load_checkpoint(split + f"/step-00000005.{b['run']}.pt")["run"]  # resume continues the run
-    assert_close(b["model"], a["model"])
-    assert_close(b["optimizer"]["state"], a["optimizer"]["state"])
+    assert_close_f32(b["model"], a["model"])
+    assert_close_f32(b["optimizer"]["state"], a["optimizer"]["state"])
     # and the consolidated state is the plain model's
     job = load("mlp")
     job.model().load_state_dict(b["model"], strict=True)
@@ -55,7 +55,7 @@ def test_resume_restores_every_process_rng_so_dropout_resumes_exactly(tmp_path):
     assert run_ranks("dropout", 3, _fit, {**common, "checkpoint_dir": split, "resume": True}) == 8
     a, b = load_checkpoint(straight), load_checkpoint(split)
     assert set(a["rng"]["processes"]) == {"master", "worker1", "worker2"}
-    assert_close(b["model"], a["model"])
+    assert_close_f32(b["model"], a["model"])
 
 
 def _fit_and_say(job, world_size):
@@ -115,7 +115,7 @@ def test_split_unet_checkpoint_loads_into_plain_unet(tmp_path):
     plain.load_state_dict(ckpt["model"], strict=True)
     plain.eval()
     with torch.no_grad():
-        assert_close(plain(x), split_out)
+        assert_close_f32(plain(x), split_out)
     # and each owner wrote its own stage's file, which loads into that part of the plain model
     for index, name in enumerate(["encoder", "decoder", "segmentation_head"]):
         stage = torch.load(tmp_path / f"step-00000001.ab12.stage-{index}.pt", weights_only=True)
@@ -123,7 +123,7 @@ def test_split_unet_checkpoint_loads_into_plain_unet(tmp_path):
             ("rpcmp-stage/1", index, 1, ["worker1/cpu", "worker2/cpu", "master/cpu"][index])
         part = getattr(smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1), name)
         part.load_state_dict(stage["model"], strict=True)
-        assert_close(stage["model"], {k[len(name) + 1:]: v for k, v in ckpt["model"].items()
+        assert_close_f32(stage["model"], {k[len(name) + 1:]: v for k, v in ckpt["model"].items()
                                                     if k.startswith(name + ".")})
         params = {name + "." + n for n, _ in part.named_parameters()}
         assert set(stage["optimizer"]) <= params and set(stage["optimizer"]) == params & set(ckpt["optimizer"]["state"])

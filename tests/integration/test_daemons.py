@@ -167,7 +167,7 @@ def test_a_daemon_refuses_every_forged_offer_stays_up_and_then_serves_an_honest_
 
 @pytest.mark.timeout(300)
 def test_ddp_through_daemons_equals_a_local_ddp_run(tmp_path):
-    from helpers import assert_close
+    from helpers import assert_close_f32
     from rpcmp.checkpoint import load_checkpoint
     port = free_port()
     token = tmp_path / "token"
@@ -191,7 +191,7 @@ def test_ddp_through_daemons_equals_a_local_ddp_run(tmp_path):
     assert local.returncode == 0, local.stdout + local.stderr
     a, b = load_checkpoint(str(tmp_path / "daemons")), load_checkpoint(str(tmp_path / "local"))
     assert a["mode"] == b["mode"] == "ddp" and a["step"] == b["step"] == 6
-    assert_close(a["model"], b["model"])
+    assert_close_f32(a["model"], b["model"])
 
 
 SPAWN_PROBE = """

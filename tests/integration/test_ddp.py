@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import assert_close, load, run_ranks
+from helpers import assert_close_f32, load, run_ranks
 from rpcmp.checkpoint import load_checkpoint
 from rpcmp.trainer import fit
 
@@ -54,10 +54,10 @@ def test_ddp_two_ranks_equals_one_process_with_twice_the_batch(tmp_path, accumul
     ref_state, ref_losses, ref_metric = _reference(3, 4, accumulate)
     ckpt = load_checkpoint(str(tmp_path))
     assert ckpt["mode"] == "ddp" and ckpt["step"] == 3
-    assert_close(ckpt["model"], ref_state)
+    assert_close_f32(ckpt["model"], ref_state)
     # what rank 0 reports is the global value: the loss and metric over every rank's samples
-    assert_close(result["losses"], ref_losses)
-    assert_close(result["metric_after"], float(ref_metric))
+    assert_close_f32(result["losses"], ref_losses)
+    assert_close_f32(result["metric_after"], float(ref_metric))
 
 
 @pytest.mark.timeout(300)
@@ -99,7 +99,7 @@ def test_ddp_resume_restores_every_rank_rng_so_dropout_resumes_exactly(tmp_path)
     run_ranks("dropout", 2, _fit, {**common, "checkpoint_dir": split, "resume": True})
     a, b = load_checkpoint(straight), load_checkpoint(split)
     assert a["step"] == b["step"] == 8 and set(a["rng"]["processes"]) == {"rank0", "rank1"}
-    assert_close(b["model"], a["model"])
+    assert_close_f32(b["model"], a["model"])
 
 
 def _torchrun_ddp(job, *args, env=None):
@@ -122,7 +122,7 @@ def test_ddp_resume_with_node_local_folders_continues_every_rank_from_rank_0s_ch
     assert straight.returncode == 0, straight.stdout + straight.stderr
     a, b = load_checkpoint(str(tmp_path / "straight")), load_checkpoint(base + "/node0")
     assert a["step"] == b["step"] == 6
-    assert_close(b["model"], a["model"])
+    assert_close_f32(b["model"], a["model"])
 
 
 @pytest.mark.timeout(300)

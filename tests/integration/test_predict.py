@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import assert_close, job_path
+from helpers import assert_close_f32, job_path
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
@@ -30,7 +30,7 @@ def test_predict_unsplit_and_split_agree_and_write_panels(tmp_path):
     _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "b"), "--images", "3", "--local", "3")
     a, b = torch.load(tmp_path / "a" / "predictions.pt"), torch.load(tmp_path / "b" / "predictions.pt")
     assert a.shape == (8, 1, 64, 64)
-    assert_close(a, b)
+    assert_close_f32(a, b)
     pngs = sorted(p for p in os.listdir(tmp_path / "a") if p.endswith(".png"))
     assert pngs == ["sample-0000.png", "sample-0001.png", "sample-0002.png"]
     image = Image.open(tmp_path / "a" / pngs[0])

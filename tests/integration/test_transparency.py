@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close, batches, load, run_ranks, train_reference
+from helpers import assert_close_f32, batches, load, run_ranks, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -51,10 +51,10 @@ def test_split_training_matches_one_process(split_runs, stages, m, opt, sched):
     ref_losses, ref_state = train_reference(model, OPTIMIZERS[opt], job.loss, batches(STEPS))
     out, losses, state, places = split_runs[(stages, m, opt, sched)]
     assert len(places) == stages and len(set(p.split("/")[0] for p in places)) == stages
-    assert_close(out, first_out)
-    assert_close(losses[0], ref_losses[0])
-    assert_close(losses, ref_losses)
-    assert_close(state, ref_state)
+    assert_close_f32(out, first_out)
+    assert_close_f32(losses[0], ref_losses[0])
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(state, ref_state)
 
 
 def _five_builds(job, world_size):
@@ -74,7 +74,7 @@ def test_two_stages_on_one_process_start_from_the_seeded_unsplit_model_every_tim
     torch.manual_seed(job.seed)
     ref = job.model().state_dict()
     for state in states:
-        assert_close(state, ref, rtol=0, atol=0)
+        assert_close_f32(state, ref, rtol=0, atol=0)
 
 
 def _timed_split(job, world_size):
@@ -112,7 +112,7 @@ def test_stages_are_remote_modules_on_their_owners():
     kinds, owners, chained, whole, params = run_ranks("mlp", 3, _remote_modules, timeout=240)
     assert kinds == [True, True] and owners == ["worker1", "worker2"]
     assert params == [4, 6]  # Linear + LayerNorm in stage 0; 3 Linear in stage 1
-    assert_close(chained, whole, rtol=0, atol=0)
+    assert_close_f32(chained, whole, rtol=0, atol=0)
 
 
 # Small steps: random labels on ResNet-18 at lr 0.1 diverge within 3 steps, where float32 rounding
@@ -157,5 +157,5 @@ def test_split_at_trains_as_the_unsplit_model(model, stages):
         ref_losses, ref_state = refs[opt]
         assert len(names) == stages and chunks == (4 if model == "classifier" else 1)  # BatchNorm: whole batch
         assert sorted(state) == sorted(ref_state)  # the unsplit model's keys, all of them
-        assert_close(losses, ref_losses, msg=lambda m: f"{model} {opt} {sched}: {m}")
-        assert_close(state, ref_state, msg=lambda m: f"{model} {opt} {sched}: {m}")
+        assert_close_f32(losses, ref_losses, msg=lambda m: f"{model} {opt} {sched}: {m}")
+        assert_close_f32(state, ref_state, msg=lambda m: f"{model} {opt} {sched}: {m}")
