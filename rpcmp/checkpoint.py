@@ -13,11 +13,24 @@ model's key fingerprint. ``keep_last`` prunes the current run's files only, so a
 reused by another run keeps that run's checkpoints; "the latest checkpoint" of a folder
 is the one written last, whatever its run.
 
-In pipeline mode each stage's owner also writes ``step-NNNNNNNN.RUN.stage-K.pt`` beside it,
-on its own node: that stage's parameters and buffers (keys of the stage module, loadable
-into it with ``strict=True``), its optimizer state and the step. They are written
-before the consolidated file, whose presence marks a complete checkpoint; resuming reads
-the consolidated file, so it works under any split.
+[Note: a checkpoint nobody holds whole]
+In pipeline mode no process holds the whole model (see [Note: each owner materializes
+only its part]), so none writes it whole: each stage's owner writes its part,
+``step-NNNNNNNN.RUN.stage-K.pt`` (that stage's parameters and buffers, keys of the stage
+module with the ``prefix`` that makes them the unsplit model's, its optimizer state keyed
+by the unsplit parameter names), from its live tensors, without a copy. Then the master
+writes ``step-NNNNNNNN.RUN.pt``, the *index*: everything of the format above except the
+tensors, plus the names of the parts. The index is written last, so its presence marks a
+complete checkpoint. :func:`load_checkpoint` reads an index and its parts as one
+consolidated checkpoint, memory-mapped (``torch.load(mmap=True)``: pages are read when
+touched), so a reader that wants some keys reads those only: on ``--resume`` each owner
+reads its own keys from the parts of any split, and the master reads none. Parts are
+written on each owner's node, in the same folder: the folder must be shared between the
+nodes (or the parts copied into one) to resume under another placement or to
+``rpcmp export`` the whole model as one plain ``torch.save`` file. ``torch.distributed.checkpoint``
+solves the same problem for collectives-based training (one process group, a planner,
+resharding); its loader needs every rank in one group, which RPC stages are not, so
+rpcmp keeps its own small format of plain ``torch.save`` files.
 
 Writes are atomic: the file is written beside its final name, flushed to disk, renamed,
 and the directory is flushed before any older file is pruned, so a crash or a full disk
@@ -39,7 +52,8 @@ import torch
 from .errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "save_stage_file", "load_checkpoint",
-           "latest_checkpoint", "check_model_keys", "new_run_id", "model_fingerprint"]
+           "read_part", "read_state_file", "export_model", "latest_checkpoint", "check_model_keys", "new_run_id",
+           "model_fingerprint"]
 
 FORMAT = "rpcmp-checkpoint/1"
 STAGE_FORMAT = "rpcmp-stage/1"
@@ -145,7 +159,9 @@ def latest_checkpoint(directory: str) -> str | None:
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:
-    """Read a checkpoint file (or the latest one in a directory) with clear errors."""
+    """Read a checkpoint file (or the latest one in a directory) with clear errors; an index
+    comes back with its parts' model and optimizer state, memory-mapped (see [Note: a checkpoint
+    nobody holds whole]). ``files`` lists the files that hold its tensors."""
     if os.path.isdir(path):
         latest = latest_checkpoint(path)
         if latest is None:
@@ -153,8 +169,70 @@ def load_checkpoint(path: str) -> dict[str, Any]:
         path = latest
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
+    payload = _read(path)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an rpcmp checkpoint (expected format {FORMAT!r})")
+    payload["path"] = path
+    payload["files"] = [path]
+    if "parts" in payload:
+        _join_parts(payload)
+    return payload
+
+
+def export_model(checkpoint: str, out: str) -> tuple[str, int, int]:
+    """Write the model of ``checkpoint`` (an index's parts, memory-mapped) to ``out`` as a plain
+    ``torch.save(state_dict)`` file, atomically; returns (checkpoint read, tensors, bytes)."""
+    ckpt = load_checkpoint(checkpoint)
+    folder, name = os.path.split(os.path.abspath(out))
+    _atomic_save(folder, name, ckpt["model"])
+    return ckpt["path"], len(ckpt["model"]), sum(t.nbytes for t in ckpt["model"].values())
+
+
+def read_state_file(path: str) -> dict[str, torch.Tensor]:
+    """A model's values from ``path``, memory-mapped: a plain ``state_dict`` file (``torch.save(model.state_dict())``)
+    or an rpcmp checkpoint (its model)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"initial values file {path} does not exist: give a torch.save(model.state_dict()) file")
+    payload = _read(path)
+    if payload.get("format") == FORMAT:
+        return load_checkpoint(path)["model"]
+    if not payload or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in payload.items()):
+        raise CheckpointError(f"{path} is not a state_dict (a dict of names to tensors) nor an rpcmp checkpoint: "
+                              f"write it with torch.save(model.state_dict(), path)")
+    return payload
+
+
+def read_part(path: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The model state (keyed as in the unsplit model) and optimizer state (by parameter name)
+    that one checkpoint file holds, memory-mapped: a consolidated file, or a stage's part."""
+    payload = _read(path)
+    if payload.get("format") == STAGE_FORMAT:
+        prefix = payload.get("prefix", "")
+        return {prefix + k: v for k, v in payload["model"].items()}, payload.get("optimizer") or {}
+    if payload.get("format") == FORMAT and "model" in payload:
+        return payload["model"], payload["optimizer"]["state"]
+    raise CheckpointError(f"{path} is neither an rpcmp checkpoint nor one of its parts")
+
+
+def _join_parts(index: dict[str, Any]) -> None:
+    folder = os.path.dirname(index["path"])
+    index["model"], index["optimizer"]["state"], index["files"] = {}, {}, []
+    for part in index["parts"]:
+        path = os.path.join(folder, part["file"])
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"checkpoint {index['path']} is incomplete here: its part {part['file']} (stage {part['stage']}) was "
+                f"written by {part['owner']} on that process's node and is not in {folder}. Copy the parts into one "
+                f"folder (or give every node one shared --checkpoint-dir), then read it again")
+        model, optim = read_part(path)
+        index["model"].update(model)
+        index["optimizer"]["state"].update(optim)
+        index["files"].append(path)
+
+
+def _read(path: str) -> Any:
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same to the user
         if "Weights only load failed" in str(exc):
             raise CheckpointError(
@@ -166,9 +244,8 @@ def load_checkpoint(path: str) -> dict[str, Any]:
             f"checkpoint {path} is truncated or not a checkpoint ({type(exc).__name__}: {exc}); "
             f"delete it to resume from the one before"
         ) from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+    if not isinstance(payload, dict):
         raise CheckpointError(f"{path} is not an rpcmp checkpoint (expected format {FORMAT!r})")
-    payload["path"] = path
     return payload
 
 

@@ -44,6 +44,8 @@ def job_options(fn):
         click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here."),
         click.option("--checkpoint-every", type=int, help="Steps between checkpoints (0: every epoch)."),
         click.option("--resume", is_flag=True, default=None, help="Continue from the latest checkpoint."),
+        click.option("--init-from", type=click.Path(dir_okay=False),
+                     help="Initial values from a state_dict file; each owner reads its own keys (Job.init_from)."),
         click.option("--hang-timeout", type=float, help="Seconds a silent worker may take before the job ends."),
         click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE)."),
         click.option("--connect-timeout", type=float, envvar="RPCMP_CONNECT_TIMEOUT",
@@ -57,7 +59,7 @@ def job_options(fn):
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
                 "mode", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
-                "checkpoint_dir", "checkpoint_every", "resume", "hang_timeout", "metrics_file", "trace_file")
+                "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "metrics_file", "trace_file")
         for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
             value = kw.pop(opt, None)
             if value is not None:
@@ -160,6 +162,20 @@ def predict(job_file, checkpoint, out, images, nprocs, overrides):
 
 
 @main.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("out", type=click.Path(dir_okay=False))
+def export(checkpoint, out):
+    """Write CHECKPOINT's model (a file, or a folder's latest) as one plain state_dict file OUT.
+
+    OUT loads into the unsplit model with ``model.load_state_dict(torch.load(OUT), strict=True)``.
+    The checkpoint's parts are read memory-mapped and written key by key: no process holds the
+    model in its own memory."""
+    from .checkpoint import export_model
+    path, keys, size = export_model(checkpoint, out)
+    Console().print(f"wrote {out}: {keys} tensors, {_mib(size)}, the model of {path}")
+
+
+@main.command()
 @click.option("--master", required=True, help="HOST:PORT of the master (`rpcmp run --workers N --listen HOST:PORT`).")
 @click.option("--rank", type=int, required=True, help="This daemon's rank (1..N).")
 @click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="The shared job token (or env RPCMP_TOKEN).")
@@ -199,18 +215,18 @@ def plan(job_file, world_size, overrides):
     states = _optimizer_states(cls, kwargs)
     table = Table(title=f"{job_file}: {len(specs)} stages on {world_size} processes, "
                         f"{job.microbatches} micro-batches of a {job.batch_size}-sample batch")
-    for col in ("stage", "modules", "parameters", "est. memory", "out / micro-batch", "placement"):
-        table.add_column(col, justify="left" if col in ("stage", "modules", "placement") else "right")
+    for col in ("stage", "modules", "ops", "parameters", "est. memory", "out / micro-batch", "placement"):
+        table.add_column(col, justify="left" if col in ("stage", "modules", "ops", "placement") else "right")
     total = 0
     for spec, place in zip(specs, places):
-        module = build_stage(job, spec)
+        module = build_stage(job, spec, meta=True)  # structure and shapes only: nothing is allocated
         n = sum(p.numel() for p in module.parameters())
         bytes_ = sum(p.numel() * p.element_size() * (2 + states) for p in module.parameters())
         bytes_ += sum(b.numel() * b.element_size() for b in module.buffers())
         total += n
         flow = _on_meta(module, flow)
         crosses = "?" if flow is None else _mib(sum(t.numel() * t.element_size() for t in tensors(flow)))
-        table.add_row(str(spec.index), spec.name, f"{n:,}", _mib(bytes_), crosses, str(place))
+        table.add_row(str(spec.index), spec.name, _ops(module), f"{n:,}", _mib(bytes_), crosses, str(place))
     table.caption = (f"{total:,} parameters; memory = weights + gradients + {states} optimizer "
                      f"state(s) per parameter ({cls.__name__}) + buffers, activations excluded; out / micro-batch: "
                      f"what the stage sends on (its gradient comes back the same size), shapes from the meta device")
@@ -236,9 +252,32 @@ def _on_meta(module, x):
         return None
     try:
         with torch.no_grad():
-            return module.eval().to("meta")(map_tensors(x, lambda t: t.to("meta")))
+            # sizes (0-dim tensors a traced stage turns into ints) keep their values
+            return module.eval().to("meta")(map_tensors(x, lambda t: t.to("meta") if t.dim() else t))
     except Exception:  # noqa: BLE001 - an op without a meta kernel: the size stays unknown
         return None
+
+
+def _ops(module, top: int = 6) -> str:
+    """What a stage computes, most frequent first: the operations of a traced stage's graph (into
+    its submodules), or the layer types of a stage of modules."""
+    import collections
+    import torch
+
+    def walk(m) -> list[str]:
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            return [type(leaf).__name__ for leaf in m.modules() if not list(leaf.children())]
+        found = []
+        for n in graph.nodes:
+            if n.op == "call_module":
+                found += walk(m.get_submodule(n.target))
+            elif n.op == "call_function" and "getitem" not in str(n.target):
+                found.append(str(getattr(n.target, "__name__", n.target)).split(".")[0])
+        return found
+    counts = collections.Counter(walk(module)).most_common()
+    text = ", ".join(f"{name} x{count}" for name, count in counts[:top])
+    return text + (f", +{len(counts) - top} more kinds" if len(counts) > top else "")
 
 
 def _optimizer_states(cls, kwargs) -> int:
@@ -249,7 +288,7 @@ def _optimizer_states(cls, kwargs) -> int:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 or n == 0 else f"{n / 2**10:.1f} KiB"
 
 
 if __name__ == "__main__":

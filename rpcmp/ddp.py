@@ -22,6 +22,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
+from .checkpoint import read_state_file
+from .materialize import build_whole
 from .errors import JobError, RunAbortedError
 from .health import WorkerLostError, describe
 from .hparams import load_scheduler_state, scheduler_state
@@ -83,8 +85,10 @@ class DDPEngine:
         self.local_batch = job.batch_size // self.world
         if job.model is None:
             raise JobError("DDP mode builds the whole model on every rank: give Job(model=<factory>)")
-        torch.manual_seed(job.seed)
-        module = job.model().to(self.device)
+        module = build_whole(job)
+        if job.init_from:
+            module.load_state_dict(read_state_file(job.init_from), strict=True)
+        module = module.to(self.device)
         if job.sync_batchnorm:
             if self.device.type != "cuda":
                 raise JobError("sync_batchnorm=True needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only); "
@@ -173,6 +177,17 @@ class DDPEngine:
     # -- state (the checkpoint format of every mode) -------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+
+    def state_meta(self) -> dict[str, torch.Tensor]:
+        return {k: torch.empty_like(v, device="meta") for k, v in self.module.state_dict().items()}
+
+    def write_state(self, directory: str, step: int, keep_last: int, run: str) -> dict:
+        """Rank 0 holds the whole model: its checkpoint holds it too."""
+        return {"model": self.state_dict(), "optimizer": {"state": self.optimizer_state()}}
+
+    def load_state(self, ckpt: dict) -> None:
+        self.load_state_dict(ckpt["model"])
+        self.load_optimizer_state(ckpt["optimizer"]["state"])
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state, strict=True)

@@ -74,6 +74,9 @@ class Job:
     keep_last: int = 2
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir
     device_maps: bool = False  # opt-in: CUDA tensors go stage to stage directly (TensorPipe device maps)
+    # initial values from a plain state_dict file (or an rpcmp checkpoint): each owner reads only its own
+    # keys, memory-mapped (see [Note: each owner materializes only its part])
+    init_from: str | None = None
     source: str | None = field(default=None, repr=False)  # path of the job file, set by load_job
 
     def __post_init__(self):

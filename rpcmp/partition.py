@@ -23,8 +23,11 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+import torch.utils._pytree as pytree
+
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
+from .materialize import build_part, build_whole, meta_model, set_tensor, tensor_names
 from .traced import SplitAt, check_any_batch_size, example_of, from_example, stage_module, trace_split
 from .errors import PartitionError
 
@@ -114,14 +117,14 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         dup = sorted({n for n in flat if flat.count(n) > 1})
         if dup:
             raise PartitionError(f"each submodule may appear in one stage only, got {dup} more than once")
-        model = _build_model(job)
+        model = meta_model(job)  # see [Note: each owner materializes only its part]
         _check_names(model, flat)
         if not isinstance(model, nn.Sequential):  # see [Note: a chain of children is the model only if forward is that chain]
             if sample is None:
                 raise PartitionError(
                     f"stages given by name are checked against {type(model).__name__}.forward on one sample batch, "
                     f"but the job has no data: give Job(data=...), or declare the stages as modules or a Split")
-            check_chain(model, flat, sample)
+            check_chain(model, flat, _on_meta(sample))
         return specs
     if kind == "modules":
         return [StageSpec(i, _label(s), "modules", prefix=f"{i}.") for i, s in enumerate(stages)]
@@ -129,14 +132,12 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         return _plan_traced(job, sample)
     balance = list(stages.balance) if stages.balance is not None else None
     if balance is None:
-        model = _build_model(job)
-        seq = _as_sequential(model)
         if stages.by == "params":
-            balance = balance_by_params(seq, stages.parts)
-        else:
+            balance = balance_by_params(_as_sequential(meta_model(job)), stages.parts)
+        else:  # timing needs real layers: the master builds the model (documented at Split)
             if sample is None:
                 raise PartitionError("Split(by='time') needs a sample batch: give the job data=... so one can be drawn")
-            balance = balance_by_time(seq, stages.parts, sample)
+            balance = balance_by_time(_as_sequential(_build_model(job)), stages.parts, sample)
     specs, start = [], 0
     for i, n in enumerate(balance):
         specs.append(StageSpec(i, f"layers[{start}:{start + n}]", "slice", start=start, stop=start + n,
@@ -145,19 +146,28 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     return specs
 
 
-def build_stage(job, spec: StageSpec) -> nn.Module:
-    """Build the module of one stage (owner side). Seeded so that every process's
-    construction matches the unsplit model built with ``torch.manual_seed(job.seed)``."""
+def build_stage(job, spec: StageSpec, meta: bool = False) -> nn.Module:
+    """Build the module of one stage (owner side) and no more of the model: its values are
+    those of the unsplit model built with ``torch.manual_seed(job.seed)`` (see [Note: each
+    owner materializes only its part]). ``meta``: its structure only, on the meta device."""
     if spec.kind == "traced":  # see [Note: split points on the traced model]
-        return stage_module(trace_split(_build_model(job), job.stages, from_example(spec.example)), spec.index)
+        return _build_traced(job, spec, meta)
+    if meta and spec.kind != "modules":
+        return _pick(job, spec, meta_model(job))
     if spec.kind == "modules":
         torch.manual_seed(job.seed)
         item = job.stages[spec.index]
         module = item if isinstance(item, nn.Module) else item()
         if not isinstance(module, nn.Module):
             raise PartitionError(f"stage {spec.index} factory {_label(item)} returned {type(module).__name__}, expected an nn.Module")
-        return module
-    model = _build_model(job)
+        return module.to("meta") if meta else module
+    heads = tuple(f"{n}." for n in spec.names) if spec.kind == "names" else \
+        tuple(f"{i}." for i in range(spec.start, spec.stop))
+    return _pick(job, spec, build_part(job, lambda key: key.startswith(heads)))
+
+
+def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
+    """Stage ``spec`` of ``model`` (a names or slice declaration)."""
     if spec.kind == "names":
         _check_names(model, _all_names(job))
         if len(spec.names) == 1:
@@ -173,14 +183,32 @@ def build_stage(job, spec: StageSpec) -> nn.Module:
     return seq[spec.start:spec.stop]
 
 
+def _build_traced(job, spec: StageSpec, meta: bool = False) -> nn.Module:
+    """Trace the model on the meta device as the master did, then give this stage, and only it,
+    the unsplit model's values."""
+    stage = stage_module(trace_split(meta_model(job), job.stages, from_example(spec.example, "meta")), spec.index)
+    if meta:
+        return stage
+    mine = {n for names in tensor_names(stage).values() for n in names}
+    model = build_part(job, mine.__contains__)
+    values = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    for name in mine:
+        set_tensor(stage, name, values[name])
+    return stage
+
+
+def _on_meta(sample: Any) -> Any:
+    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
+
+
 def _plan_traced(job, sample: Any) -> list[StageSpec]:
     """Trace the model once on the master: how many stages the cuts give, and what the owners trace with."""
     from .microbatch import scatter
     if sample is None:
         raise PartitionError("SplitAt traces the model on one batch, but the job has no data: give Job(data=...) "
                              "or Pipeline(..., sample=batch)")
-    example = scatter(sample, job.microbatches)[0]
-    model = _build_model(job)
+    example = _on_meta(scatter(sample, job.microbatches)[0])
+    model = meta_model(job)  # see [Note: each owner materializes only its part]
     pipe = trace_split(model, job.stages, example)
     keys = {k for i in range(pipe.num_stages) for k in pipe.get_stage_module(i).state_dict()}
     if keys != set(model.state_dict()):  # the promise of SplitAt: the unsplit model's names, all of them
@@ -208,13 +236,8 @@ def _all_names(job) -> list[str]:
 
 
 def _build_model(job) -> nn.Module:
-    if job.model is None:
-        raise PartitionError("stages given by name or Split need Job(model=<factory>) to build the model from")
-    torch.manual_seed(job.seed)
-    model = job.model()
-    if not isinstance(model, nn.Module):
-        raise PartitionError(f"Job(model=...) must return an nn.Module, got {type(model).__name__}")
-    return model
+    """The whole model, for real (only ``Split(by="time")`` needs it: it times the layers)."""
+    return build_whole(job)
 
 
 def _as_sequential(model: nn.Module) -> nn.Sequential:

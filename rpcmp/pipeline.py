@@ -127,6 +127,8 @@ class Pipeline(PipelineState):
         # pipeline's own hot path runs the same module on its owner, stage to stage, without these handles.
         self.stages: list[RemoteModule] = [RemoteModule.init_from_module_rref(str(place), module)
                                            for (_, _, module), place in zip(built, self.places)]
+        if job.init_from:
+            self.init_from(job.init_from)
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn, _ in built)
         cls, kwargs = optimizer or job.optimizer

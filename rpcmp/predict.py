@@ -26,9 +26,9 @@ __all__ = ["predict_local", "predict_split", "write_predictions", "panel"]
 
 def predict_local(job, checkpoint: str, out_dir: str, images: int) -> dict[str, Any]:
     """Load the consolidated checkpoint into the unsplit model and predict in this process."""
-    from .partition import _build_model
+    from .materialize import build_whole
     ckpt = load_checkpoint(checkpoint)
-    model = _build_model(job)
+    model = build_whole(job)
     check_model_keys(ckpt, model.state_dict(), f"the model of {job.source}")
     model.load_state_dict(ckpt["model"], strict=True)
     model.eval()
@@ -44,8 +44,8 @@ def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: i
     pipe = Pipeline(job, world_size)
     try:
         with health.explained(pipe.explain):
-            check_model_keys(ckpt, pipe.state_dict(), f"the model of {job.source}")
-            pipe.load_state_dict(ckpt["model"])
+            check_model_keys(ckpt, pipe.state_meta(), f"the model of {job.source}")
+            pipe.load_files(ckpt["files"])  # each owner reads its own keys
             pipe.eval()
             result = {"checkpoint": ckpt["path"], **write_predictions(job, pipe.predict, out_dir, images)}
     except BaseException:

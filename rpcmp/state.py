@@ -5,6 +5,7 @@ parameters and buffers, optimizer state, RNG, and the per-stage checkpoint files
 owner, called over RPC."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -31,6 +32,20 @@ class PipelineState:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._each(_load_state_dict, state)
 
+    def state_meta(self) -> dict[str, torch.Tensor]:
+        """The keys of :meth:`state_dict` with tensors of their shapes and dtypes on the meta
+        device: what checks need, without moving any value."""
+        return {k: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                for part in self._each(_state_meta) for k, (shape, dtype) in part.items()}
+
+    def load_files(self, files: list[str]) -> None:
+        """Each owner reads its own stages' keys, and their optimizer state, from checkpoint
+        ``files`` (memory-mapped; see [Note: a checkpoint nobody holds whole]): nothing whole
+        travels, whatever split wrote them."""
+        optims = {r.owner().name: r for r in self._remote_optimizers}
+        wait_all([rpc.rpc_async(p.process, _load_files, args=(self.pid, i, optims.get(p.process), files))
+                  for i, p in enumerate(self.places)])
+
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Optimizer state of every stage, keyed by the unsplit model's parameter names."""
         state: dict[str, dict[str, torch.Tensor]] = {}
@@ -43,12 +58,22 @@ class PipelineState:
         wait_all([rpc.rpc_async(r.owner(), _load_optimizer_state, args=(self.pid, r, state))
                   for r in self._remote_optimizers])
 
-    def save_stage_files(self, directory: str, step: int, keep_last: int, run: str | None = None) -> list[str]:
-        """Each owner writes its stages' own checkpoint files of run ``run``, on its node."""
+    def init_from(self, path: str) -> None:
+        """Each owner gives its stages their values from the state_dict file ``path``, reading its
+        own keys only (``Job(init_from=...)``)."""
+        from .checkpoint import check_model_keys, read_state_file
+        check_model_keys({"model": read_state_file(path), "path": path}, self.state_meta(), "this job's model")
+        self._each(_init_from, path)
+
+    def save_stage_files(self, directory: str, step: int, keep_last: int, run: str | None = None) -> list[dict]:
+        """Each owner writes its stages' parts of the checkpoint of run ``run``, on its node; returns
+        what the index says of each (see [Note: a checkpoint nobody holds whole])."""
         optims = {r.owner().name: r for r in self._remote_optimizers}
-        return wait_all([rpc.rpc_async(p.process, _save_stage,
+        paths = wait_all([rpc.rpc_async(p.process, _save_stage,
                                        args=(self.pid, i, optims.get(p.process), directory, step, keep_last, run))
-                         for i, p in enumerate(self.places)])
+                          for i, p in enumerate(self.places)])
+        return [{"file": os.path.basename(path), "stage": i, "owner": str(p)}
+                for i, (path, p) in enumerate(zip(paths, self.places))]
 
     def rng_state(self) -> dict[str, Any]:
         """Every process's RNG state, by process name, and the stages each one holds."""
@@ -76,9 +101,38 @@ class PipelineState:
 
 
 # -- on each owner, over RPC ---------------------------------------------------------
-def _cpu_state(host) -> dict[str, torch.Tensor]:
-    """A copy of the stage's parameters and buffers on the CPU, keyed as in the stage."""
-    return {k: v.detach().cpu().clone() for k, v in host.module.state_dict().items()}
+def _cpu_state(host, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The stage's parameters and buffers on the CPU, keyed as in the stage (without ``copy``,
+    CPU tensors are the live ones)."""
+    return {k: v.detach().cpu().clone() if copy else v.detach().cpu() for k, v in host.module.state_dict().items()}
+
+
+def _state_meta(pid: int, index: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    host = _HOSTS[(pid, index)]
+    return {host.spec.prefix + k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in host.module.state_dict().items()}
+
+
+def _init_from(pid: int, index: int, path: str) -> None:
+    from .checkpoint import read_state_file
+    host = _HOSTS[(pid, index)]
+    state = read_state_file(path)
+    host.module.load_state_dict({k: state[host.spec.prefix + k] for k in host.module.state_dict()}, strict=True)
+
+
+def _load_files(pid: int, index: int, optim_rref, files: list[str]) -> None:
+    from .checkpoint import read_part
+    host = _HOSTS[(pid, index)]
+    mine = {host.spec.prefix + k: k for k in host.module.state_dict()}
+    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    own, optim = {}, {}
+    for path in files:
+        model, states = read_part(path)
+        own.update({mine[k]: v for k, v in model.items() if k in mine})
+        optim.update({k: v for k, v in states.items() if k in names})
+    host.module.load_state_dict(own, strict=True)
+    if optim_rref is not None:
+        _load_optimizer_state(pid, optim_rref, optim, copy=False)
 
 
 def _state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:
@@ -93,21 +147,25 @@ def _load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> No
     host.module.load_state_dict(own, strict=True)
 
 
-def _optimizer_state(pid: int, optim_rref, only: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+def _optimizer_state(pid: int, optim_rref, only: set[str] | None = None,
+                     copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """This process's optimizer state (of parameters named in ``only``, if given), keyed by
-    the unsplit model's parameter names."""
+    the unsplit model's parameter names (without ``copy``: the live tensors)."""
     optim = optim_rref.local_value().optim
     names = _named_params(pid)
-    return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+    return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) and copy else v for k, v in st.items()}
             for p, st in optim.state.items() if p in names and (only is None or names[p] in only)}
 
 
-def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]]) -> int:
+def _load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]], copy: bool = True) -> int:
+    """Give this process's parameters their optimizer state by name (without ``copy``, the tensors
+    themselves: memory-mapped ones are copied on write, page by page, as the optimizer updates them)."""
     optim = optim_rref.local_value().optim
     loaded = 0
     for param, name in _named_params(pid).items():
         if name in states:
-            optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in states[name].items()}
+            optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) and copy else v
+                                  for k, v in states[name].items()}
             loaded += 1
     return loaded
 
@@ -129,8 +187,10 @@ def _save_stage(pid: int, index: int, optim_rref, directory: str, step: int, kee
     from .checkpoint import save_stage_file
     host = _HOSTS[(pid, index)]
     names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    # The live tensors, not copies (the step is over and the next waits for this answer): an owner's
+    # memory does not grow by its stage while it saves.
     return save_stage_file(directory, index, {
         "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
-        "model": _cpu_state(host),
-        "optimizer": _optimizer_state(pid, optim_rref, names) if optim_rref is not None else {},
+        "model": _cpu_state(host, copy=False),
+        "optimizer": _optimizer_state(pid, optim_rref, names, copy=False) if optim_rref is not None else {},
     }, step, keep_last, run)

@@ -19,6 +19,7 @@ message and the way out.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,14 +57,17 @@ def example_of(batch: Any) -> tuple:
     return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves], spec
 
 
-def from_example(example: tuple) -> Any:
+def from_example(example: tuple, device: str = "cpu") -> Any:
     leaves, spec = example
-    return pytree.tree_unflatten([torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in leaves], spec)
+    return pytree.tree_unflatten([torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+                                  for shape, dtype in leaves], spec)
 
 
 def trace_split(model: nn.Module, split: SplitAt, sample: Any):
-    """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``."""
+    """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``
+    with a dynamic batch size where the model allows it (see [Note: any batch size])."""
     from torch.distributed.pipelining import SplitPoint, pipeline
+    from torch.distributed.pipelining._IR import Pipe
     names = {n for n, _ in model.named_modules() if n}
     missing = [p for p in split.points if p not in names]
     if missing:
@@ -71,14 +75,43 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
         raise PartitionError(f"SplitAt: {type(model).__name__} has no submodule {missing}; its children, in order: {tops} "
                              f"(deeper ones by qualified name, e.g. '{tops[0]}.<child>')" if tops else "")
     spec = {p: SplitPoint.BEGINNING for p in split.points} or None
+    # export cannot make a dimension of size 1 dynamic: trace a one-sample micro-batch as two
+    sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
+                             else t, sample)
     try:
-        return pipeline(model, mb_args=(sample,), split_spec=spec)
+        try:
+            with _dynamic_batch(Pipe):
+                return pipeline(model, mb_args=(sample,), split_spec=spec)
+        except Exception:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
+            for point in split.points:  # pipeline() leaves the split points' forward wrapped
+                for attr in ("forward", "_orig_forward"):
+                    model.get_submodule(point).__dict__.pop(attr, None)
+            return pipeline(model, mb_args=(sample,), split_spec=spec)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
+        exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
         raise PartitionError(
             f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}. Data-dependent control flow "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}. Data-dependent control flow "
             f"(an `if` on a tensor's values) cannot be traced: use torch.cond, move it into one stage's module and "
             f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
+
+
+@contextlib.contextmanager
+def _dynamic_batch(pipe_cls):
+    """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
+    input dynamic instead (see [Note: any batch size])."""
+    plain = pipe_cls.__dict__["_trace_with_export"]
+
+    def trace(mod, example_args, example_kwargs=None):
+        batch = torch.export.Dim("batch")
+        shapes = pytree.tree_map(lambda t: {0: batch} if isinstance(t, torch.Tensor) and t.dim() else None,
+                                 example_args)
+        return torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
+    pipe_cls._trace_with_export = staticmethod(trace)
+    try:
+        yield
+    finally:
+        pipe_cls._trace_with_export = plain
 
 
 class _Route:
@@ -92,21 +125,23 @@ class _Route:
     """
 
     def __init__(self, forward, inputs: list[str], args: list[str], produced: dict[str, Any], outputs: list[str],
-                 last: bool):
-        self.forward, self.inputs, self.args, self.produced, self.outputs, self.last = \
-            forward, inputs, args, produced, outputs, last
+                 last: bool, sizes: set[str]):
+        self.forward, self.inputs, self.args, self.produced, self.outputs, self.last, self.sizes = \
+            forward, inputs, args, produced, outputs, last, sizes
 
     def __call__(self, x):
         values = dict(zip(self.inputs, x if len(self.inputs) > 1 or isinstance(x, tuple) else (x,)))
-        out = self.forward(*(values[a] for a in self.args))
+        out = self.forward(*(int(values[a]) if a in self.sizes else values[a] for a in self.args))
         for name, index in self.produced.items():
             values[name] = out if index is None else out[index]
-        out = tuple(values[n] for n in self.outputs)
+        # sizes the graph computed from the dynamic batch size travel as tensors, as every stage output
+        out = tuple(torch.tensor(v) if isinstance(v, int) else v for v in (values[n] for n in self.outputs))
         return out[0] if self.last and len(out) == 1 else out
 
 
-def _routes(pipe) -> list[tuple[list[str], list[str], dict[str, Any], list[str]]]:
-    """(inputs, args, produced, outputs) of each stage, read from the split graph."""
+def _routes(pipe) -> list[tuple[list[str], list[str], dict[str, Any], list[str], set[str]]]:
+    """(inputs, args, produced, outputs, sizes) of each stage, read from the split graph; ``sizes``
+    names the values that are sizes (ints), not tensors."""
     graph = pipe.split_gm.graph
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
     source = {}  # value name -> (stage, index in its output or None)
@@ -123,12 +158,16 @@ def _routes(pipe) -> list[tuple[list[str], list[str], dict[str, Any], list[str]]
     for i in range(len(calls)):
         later = {a.name for c in calls[i + 1:] for a in c.args} | set(final)
         needed_after.append(later)
+    sizes = set()  # read from each stage graph's inputs: the split graph keeps no values
+    for c in calls:
+        holders = [n for n in getattr(pipe.split_gm, c.target).graph.nodes if n.op == "placeholder"]
+        sizes |= {a.name for a, h in zip(c.args, holders) if isinstance(h.meta.get("val"), (int, torch.SymInt))}
     routes, carry = [], inputs
     for i, c in enumerate(calls):
         produced = {name: idx for name, (stage, idx) in source.items() if stage == i}
         available = list(carry) + [n for n in produced if n not in carry]
         outputs = [n for n in available if n in needed_after[i]]
-        routes.append((list(carry), [a.name for a in c.args], produced, outputs))
+        routes.append((list(carry), [a.name for a in c.args], produced, outputs, sizes))
         carry = outputs
     return routes
 
@@ -162,6 +201,6 @@ def stage_module(pipe, index: int) -> nn.Module:
     """Stage ``index`` of the traced ``pipe``, callable with one argument as every rpcmp stage is
     (see :class:`_Route`)."""
     module = pipe.get_stage_module(index)
-    inputs, args, produced, outputs = _routes(pipe)[index]
-    module.forward = _Route(module.forward, inputs, args, produced, outputs, index == pipe.num_stages - 1)
+    inputs, args, produced, outputs, sizes = _routes(pipe)[index]
+    module.forward = _Route(module.forward, inputs, args, produced, outputs, index == pipe.num_stages - 1, sizes)
     return module

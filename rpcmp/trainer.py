@@ -189,17 +189,15 @@ class PipelineEngine:
     def train(self) -> None:
         self.pipe.train()
 
-    def state_dict(self):
-        return self.pipe.state_dict()
+    def state_meta(self) -> dict:
+        return self.pipe.state_meta()
 
-    def load_state_dict(self, state) -> None:
-        self.pipe.load_state_dict(state)
+    def write_state(self, directory: str, step: int, keep_last: int, run: str) -> dict:
+        """The owners write the parts; the index names them (see [Note: a checkpoint nobody holds whole])."""
+        return {"parts": self.pipe.save_stage_files(directory, step, keep_last, run), "optimizer": {}}
 
-    def optimizer_state(self):
-        return self.pipe.optimizer_state()
-
-    def load_optimizer_state(self, state) -> None:
-        self.pipe.load_optimizer_state(state)
+    def load_state(self, ckpt: dict) -> None:
+        self.pipe.load_files(ckpt["files"])  # each owner reads its own keys
 
     @property
     def scheduler(self):
@@ -280,12 +278,10 @@ def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
 
 def _write(job, engine, run: str, step: int, epoch: int, next_batch: int, rng) -> None:
     cls, _ = job.optimizer
-    if engine.mode == "pipeline":
-        engine.pipe.save_stage_files(job.checkpoint_dir, step, job.keep_last, run)
-    model = engine.state_dict()
+    state = engine.write_state(job.checkpoint_dir, step, job.keep_last, run)  # the model and optimizer state
+    state["optimizer"]["class"] = cls.__name__
     health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
-        "mode": engine.mode, "model": model, "fingerprint": model_fingerprint(model),
-        "optimizer": {"class": cls.__name__, "state": engine.optimizer_state()},
+        "mode": engine.mode, "fingerprint": model_fingerprint(engine.state_meta()), **state,
         "scheduler": engine.scheduler_state() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
         "rng": rng, "loss_scale": getattr(engine, "loss_scale", None),
@@ -300,7 +296,7 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
     if ckpt is None:
         console.print(f"no checkpoint in {job.checkpoint_dir} yet: starting from step 0")
         return 0, 0, 0, None
-    model = pipe.state_dict()
+    model = pipe.state_meta()  # keys, shapes and dtypes only: see [Note: a checkpoint nobody holds whole]
     check_model_keys(ckpt, model, "this job's model")
     if ckpt.get("fingerprint") not in (None, model_fingerprint(model)):
         raise CheckpointError(f"checkpoint {ckpt['path']} is from another model than this job's (its keys, shapes or "
@@ -309,8 +305,7 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
     if ckpt["optimizer"]["class"] != cls.__name__:
         raise CheckpointError(f"checkpoint {ckpt['path']} holds {ckpt['optimizer']['class']} state but the job uses "
                               f"{cls.__name__}: use the same optimizer, or start without --resume")
-    pipe.load_state_dict(ckpt["model"])
-    pipe.load_optimizer_state(ckpt["optimizer"]["state"])
+    pipe.load_state(ckpt)
     if pipe.scheduler is not None and ckpt.get("scheduler"):
         pipe.load_scheduler_state(ckpt["scheduler"])
     rng = pipe.load_rng_state(ckpt.get("rng")) if ckpt["mode"] == pipe.mode else False

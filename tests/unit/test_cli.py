@@ -2,6 +2,7 @@ import os
 
 from click.testing import CliRunner
 
+from helpers import JOBS
 from rpcmp.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -18,7 +19,18 @@ def test_plan_prints_the_partition_without_processes():
     # what crosses each cut for one micro-batch (4 of the example's images), from shapes on the meta device:
     # the encoder's 6 feature maps, the decoder's 16 channels, the 1-channel mask
     rows = [line for line in out.splitlines() if "worker" in line or "master/cpu" in line]
-    assert [r.split("│")[5].strip() for r in rows] == ["1.5 MiB", "1.0 MiB", "0.1 MiB"], out
+    assert [r.split("│")[6].strip() for r in rows] == ["1.5 MiB", "1.0 MiB", "64.0 KiB"], out
+    assert "Conv2d x36, BatchNorm2d x36" in rows[0]  # what each stage computes (resnet34: 36 convolutions)
+
+
+def test_plan_lists_the_operations_of_each_traced_stage():
+    """SplitAt stages are pieces of the traced graph: the plan lists their ops, functional ones included
+    (ResNet's residual adds and the flatten before fc)."""
+    result = CliRunner().invoke(main, ["plan", os.path.join(JOBS, "traced_resnet.py")], terminal_width=250)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if "worker" in line]
+    assert len(rows) == 3 and "add" in rows[0] and "conv2d x" in rows[0]
+    assert "flatten x1" in result.output
 
 
 def test_plan_reports_a_bad_placement_clearly():

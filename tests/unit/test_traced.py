@@ -72,6 +72,21 @@ def test_a_unet_cut_inside_its_encoder_hands_the_skip_features_on():
 
 
 def test_a_graph_that_fixes_the_batch_size_is_refused():
+    class Pairs(nn.Module):  # folds the batch into a fixed number of rows
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Linear(8, 16), nn.Linear(32, 2)
+
+        def forward(self, x):
+            return self.head(self.emb(x).reshape(1, 32))
+
+    with pytest.raises(PartitionError, match=r"fixes the batch size it was traced with \(2 samples per micro-batch\)"):
+        plan_stages(rpcmp.Job(model=Pairs, stages=rpcmp.SplitAt("head"), microbatches=2), torch.randn(4, 8))
+
+
+def test_attention_is_traced_for_any_batch_size():
+    """nn.MultiheadAttention reshapes by the batch size: traced with a dynamic batch dimension,
+    the stages run any micro-batch size and equal the unsplit model."""
     class Attention(nn.Module):
         def __init__(self):
             super().__init__()
@@ -79,7 +94,15 @@ def test_a_graph_that_fixes_the_batch_size_is_refused():
 
         def forward(self, x):
             h = self.emb(x)
-            return self.head(self.attn(h, h, h, need_weights=False)[0])
+            return self.head(h + self.attn(h, h, h, need_weights=False)[0])
 
-    with pytest.raises(PartitionError, match=r"fixes the batch size it was traced with \(2 samples per micro-batch\)"):
-        plan_stages(rpcmp.Job(model=Attention, stages=rpcmp.SplitAt("head"), microbatches=2), torch.randn(4, 5, 8))
+    job = rpcmp.Job(model=Attention, stages=rpcmp.SplitAt("attn", "head"), microbatches=2)
+    specs = plan_stages(job, torch.randn(4, 5, 8))
+    stages = [build_stage(job, s) for s in specs]
+    torch.manual_seed(job.seed)
+    model = Attention()
+    for n in (1, 3, 7):
+        x = h = torch.randn(n, 5, 8)
+        for stage in stages:
+            h = stage(h)
+        torch.testing.assert_close(h, model(x))

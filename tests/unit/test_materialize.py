@@ -1,0 +1,75 @@
+"""An owner builds its part of a model alone, with the values the unsplit build gives it."""
+import types
+
+import pytest
+import segmentation_models_pytorch as smp
+import torch
+import torchvision
+from torch import nn
+
+from rpcmp.errors import PartitionError
+from rpcmp.materialize import build_part, meta_model
+
+
+class Tied(nn.Module):  # a parameter computed before it is registered, a constant buffer, tied weights
+    def __init__(self):
+        super().__init__()
+        self.a, self.pos, self.b = nn.Linear(5, 6), nn.Parameter(torch.randn(3, 6) * 0.02), nn.Linear(6, 5)
+        self.register_buffer("scale", torch.tensor([2.0, 3.0]))
+        self.emb, self.out = nn.Embedding(5, 6), nn.Linear(6, 5, bias=False)
+        self.out.weight = self.emb.weight
+
+
+class ReadsValues(nn.Module):  # construction reads a tensor's value: cannot run on the meta device
+    def __init__(self):
+        super().__init__()
+        rates = [r.item() for r in torch.linspace(0, 0.1, 3)]
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in rates)
+        self.bn = nn.BatchNorm1d(4)
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True) for _ in range(3))
+
+
+FAMILIES = {
+    "resnet18": lambda: torchvision.models.resnet18(num_classes=10),
+    "unet": lambda: smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=2),  # torch.Tensor(n) inside
+    "transformer": Encoder,
+    "tied": Tied,
+    "reads_values": ReadsValues,
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("cut", [0.25, 0.75])
+def test_a_part_holds_the_unsplit_values_and_nothing_else(family, cut):
+    factory = FAMILIES[family]
+    job = types.SimpleNamespace(model=factory, seed=7, source=family)
+    torch.manual_seed(7)
+    whole = factory()
+    after_whole = torch.rand(3)  # what the global generator gives next (dropout masks, data order)
+    values = {**dict(whole.named_parameters(remove_duplicate=False)), **dict(whole.named_buffers())}
+    names = list(values)
+    keep = set(names[int(len(names) * cut):])
+
+    part = build_part(job, keep.__contains__)
+
+    torch.testing.assert_close(torch.rand(3), after_whole, rtol=0, atol=0)
+    got = {**dict(part.named_parameters(remove_duplicate=False)), **dict(part.named_buffers())}
+    assert set(got) == set(names)
+    for name in names:
+        if name in keep:
+            torch.testing.assert_close(got[name], values[name], rtol=0, atol=0, msg=name)
+        elif not (family == "tied" and name in ("emb.weight", "out.weight")):
+            assert got[name].device.type == "meta", name
+    assert {t.device.type for t in meta_model(job).parameters()} == {"meta"}
+
+
+def test_a_construction_that_is_not_deterministic_is_refused():
+    sizes = iter([4, 5])
+    job = types.SimpleNamespace(model=lambda: nn.Linear(next(sizes), 2), seed=0, source="job.py")
+    with pytest.raises(PartitionError, match="not deterministic"):
+        build_part(job, lambda name: name == "bias")
