@@ -25,6 +25,7 @@ test: install
 
 bench: install
 	$(PY) benchmarks/bench.py
+	$(PY) benchmarks/memory.py
 
 lint: install
 	$(PY) -m pip install -q ruff

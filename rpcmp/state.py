@@ -61,8 +61,12 @@ class PipelineState:
     def init_from(self, path: str) -> None:
         """Each owner gives its stages their values from the state_dict file ``path``, reading its
         own keys only (``Job(init_from=...)``)."""
-        from .checkpoint import check_model_keys, read_state_file
-        check_model_keys({"model": read_state_file(path), "path": path}, self.state_meta(), "this job's model")
+        from .checkpoint import CheckpointError, check_model_keys, read_state_file
+        try:
+            check_model_keys({"model": read_state_file(path), "path": path}, self.state_meta(), "this job's model")
+        except CheckpointError as exc:
+            raise CheckpointError(f"Job(init_from=...): {exc}; write the file with torch.save(model.state_dict(), "
+                                  f"path) from the model the job builds") from None
         self._each(_init_from, path)
 
     def save_stage_files(self, directory: str, step: int, keep_last: int, run: str | None = None) -> list[dict]:
@@ -121,18 +125,25 @@ def _init_from(pid: int, index: int, path: str) -> None:
 
 
 def _load_files(pid: int, index: int, optim_rref, files: list[str]) -> None:
+    """Load this stage's keys and optimizer state from ``files``, memory-mapped. The model's values are
+    copied into the stage and their mapping dropped at once; the optimizer state stays mapped from a
+    second mapping of the file and is copied page by page as the optimizer writes it, so resuming needs
+    no more memory than training does."""
     from .checkpoint import read_part
     host = _HOSTS[(pid, index)]
     mine = {host.spec.prefix + k: k for k in host.module.state_dict()}
-    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
-    own, optim = {}, {}
+    own = {}
     for path in files:
-        model, states = read_part(path)
-        own.update({mine[k]: v for k, v in model.items() if k in mine})
-        optim.update({k: v for k, v in states.items() if k in names})
+        own.update({mine[k]: v for k, v in read_part(path)[0].items() if k in mine})
     host.module.load_state_dict(own, strict=True)
-    if optim_rref is not None:
-        _load_optimizer_state(pid, optim_rref, optim, copy=False)
+    del own  # unmaps the pages just read
+    if optim_rref is None:
+        return
+    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    optim = {}
+    for path in files:
+        optim.update({k: v for k, v in read_part(path)[1].items() if k in names})
+    _load_optimizer_state(pid, optim_rref, optim, copy=False)
 
 
 def _state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:

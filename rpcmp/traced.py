@@ -10,12 +10,23 @@ given). Each stage is the graph between two cuts, so every operation of ``forwar
 in exactly one stage; a value a later stage needs (a Unet's skip features, a residual
 stream) is handed along; parameters and buffers keep the unsplit model's names, so
 ``state_dict()`` and every checkpoint load into the plain model with ``strict=True``.
-rpcmp's own runtime runs the stages (not pipelining's schedules): each owner builds the
-model under the job's seed, traces it the same way and keeps its own stage. The traced
-stages run for any micro-batch size (measured: traced at 4 samples, run at 6, equal to
-the unsplit model). Tracing needs a batch: the job's data, or ``Pipeline(sample=...)``.
-What ``torch.export`` cannot trace (data-dependent control flow) is refused with its
-message and the way out.
+rpcmp's own runtime runs the stages (not pipelining's schedules): the master traces the
+model on the meta device to plan; each owner traces it the same way, on the meta device too,
+and gives its own stage, and only it, the unsplit model's values (see [Note: each owner
+materializes only its part] in :mod:`rpcmp.materialize`). Tracing needs a batch: the job's
+data, or ``Pipeline(sample=...)``. What ``torch.export`` cannot trace (data-dependent control
+flow) is refused with its message and the way out.
+
+[Note: any batch size]
+A stage runs micro-batches, a smaller last micro-batch, whole batches (BatchNorm) and
+evaluation batches, but ``pipeline()`` exports with the shapes of the one micro-batch it is
+given, and a graph that reshapes by the batch size (``nn.MultiheadAttention`` does) then
+holds that size as a constant. So rpcmp exports with dimension 0 of every input dynamic
+(``torch.export.Dim``); the sizes the graph derives from it travel between stages as 0-dim
+tensors (every value on the wire is a tensor) and become ints again in the stage that uses
+them (:class:`_Route`). A model that does fix its batch size is traced with static shapes
+and refused by :func:`check_any_batch_size` before any process starts. Export cannot make a
+dimension of size 1 dynamic, so a one-sample micro-batch is traced as two.
 """
 from __future__ import annotations
 
@@ -125,12 +136,16 @@ class _Route:
     """
 
     def __init__(self, forward, inputs: list[str], args: list[str], produced: dict[str, Any], outputs: list[str],
-                 last: bool, sizes: set[str]):
-        self.forward, self.inputs, self.args, self.produced, self.outputs, self.last, self.sizes = \
-            forward, inputs, args, produced, outputs, last, sizes
+                 first: bool, last: bool, sizes: set[str]):
+        self.forward, self.inputs, self.args, self.produced, self.outputs, self.first, self.last, self.sizes = \
+            forward, inputs, args, produced, outputs, first, last, sizes
 
     def __call__(self, x):
-        values = dict(zip(self.inputs, x if len(self.inputs) > 1 or isinstance(x, tuple) else (x,)))
+        if self.first:  # the model's input: the graph's inputs are its leaves (a dict's, a tuple's), in order
+            given = pytree.tree_leaves(x)
+        else:  # what the stage before passed on: a tuple of the values still needed, or the one value
+            given = x if len(self.inputs) > 1 or isinstance(x, tuple) else (x,)
+        values = dict(zip(self.inputs, given))
         out = self.forward(*(int(values[a]) if a in self.sizes else values[a] for a in self.args))
         for name, index in self.produced.items():
             values[name] = out if index is None else out[index]
@@ -201,6 +216,12 @@ def stage_module(pipe, index: int) -> nn.Module:
     """Stage ``index`` of the traced ``pipe``, callable with one argument as every rpcmp stage is
     (see :class:`_Route`)."""
     module = pipe.get_stage_module(index)
+    if isinstance(module.graph._codegen, torch.fx.graph._PyTreeCodeGen):
+        # The first stage's graph unpacks the model's whole input and fails when a leaf (a dict's entry)
+        # is used by a later stage only: it takes the leaves it uses, as the split graph passes them.
+        module.graph._codegen = torch.fx.graph.CodeGen()
+        module.recompile()
     inputs, args, produced, outputs, sizes = _routes(pipe)[index]
-    module.forward = _Route(module.forward, inputs, args, produced, outputs, index == pipe.num_stages - 1, sizes)
+    module.forward = _Route(module.forward, inputs, args, produced, outputs, index == 0, index == pipe.num_stages - 1,
+                            sizes)
     return module

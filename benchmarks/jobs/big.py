@@ -28,6 +28,10 @@ def data():
     return TensorDataset(torch.randn(24, WIDTH, generator=g), torch.randn(24, WIDTH, generator=g)), None
 
 
-job = rpcmp.Job(model=Big, stages=rpcmp.SplitAt("layers.2", "layers.4"), data=data, batch_size=8, microbatches=2,
-                loss=F.mse_loss, optimizer=(torch.optim.Adam, {"lr": 1e-4}), max_steps=2, checkpoint_every=2,
+job = rpcmp.Job(model=Big, stages=rpcmp.SplitAt("layers.2", "layers.4"), data=data, batch_size=8, microbatches=1,
+                loss=F.mse_loss, optimizer=(torch.optim.Adam, {"lr": 1e-4, "fused": True}), max_steps=2, checkpoint_every=2,
                 keep_last=1, threads=1)
+# One micro-batch: the weights dominate memory here, and every further micro-batch costs a transient of
+# weight-gradient size (benchmarks/memory.py measures M = 2 and 4 too).
+# fused Adam (here and in the one-process reference): the plain CPU Adam allocates two temporaries of the
+# size of the largest parameter per step (sqrt, then the division), 392 MiB here in every process.

@@ -10,8 +10,11 @@ class Transformer(nn.Module):
     def __init__(self, vocab=40, width=32, depth=3, classes=5):
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, width), nn.Parameter(torch.randn(12, width) * 0.02)
-        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True)
-                                    for _ in range(depth))
+        # bias=False: the key projection's bias has a zero gradient in exact arithmetic (softmax ignores a
+        # shift shared by all keys), so its float32 gradient is rounding noise, which Adam turns into steps of
+        # size lr whose sign depends on the CPU's kernels: no two runs could agree on it
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True,
+                                                               bias=False) for _ in range(depth))
         self.head = nn.Linear(width, classes)
 
     def forward(self, tokens):

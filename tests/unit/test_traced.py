@@ -106,3 +106,29 @@ def test_attention_is_traced_for_any_batch_size():
         for stage in stages:
             h = stage(h)
         torch.testing.assert_close(h, model(x))
+
+
+def test_several_inputs_and_outputs_travel_through_the_cut():
+    """A model that takes a dict of two tensors and returns a tuple of two heads, cut in three:
+    the inputs reach the stages that use them and both outputs come out, as the unsplit model's."""
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.image, self.side = nn.Linear(8, 16), nn.Linear(3, 16)
+            self.trunk, self.cls, self.box = nn.Linear(16, 16), nn.Linear(16, 5), nn.Linear(16, 4)
+
+        def forward(self, batch):
+            h = torch.relu(self.image(batch["image"]))
+            h = self.trunk(h) * torch.sigmoid(self.side(batch["meta"]))  # the second input, used two stages in
+            return self.cls(h), self.box(h)
+
+    job = rpcmp.Job(model=TwoHeads, stages=rpcmp.SplitAt("side", "cls"), microbatches=2)
+    batch = {"image": torch.randn(4, 8), "meta": torch.randn(4, 3)}
+    stages = [build_stage(job, s) for s in plan_stages(job, batch)]
+    torch.manual_seed(job.seed)
+    model = TwoHeads()
+    x = {"image": torch.randn(5, 8), "meta": torch.randn(5, 3)}
+    h = x
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, model(x))

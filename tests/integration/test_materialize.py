@@ -1,0 +1,91 @@
+"""No process holds the whole model: owners build, load and save their parts only."""
+import os
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from click.testing import CliRunner
+
+from helpers import assert_close_f32, load, run_ranks
+from rpcmp.checkpoint import CheckpointError, load_checkpoint
+from rpcmp.cli import main
+from rpcmp.trainer import fit
+
+pytestmark = pytest.mark.integration
+
+# Evaluated on each process over RPC: the parameters alive there that hold memory (not meta ones).
+LIVE = ("sum(p.numel() for p in __import__('gc').get_objects() "
+        "if isinstance(p, __import__('torch').nn.Parameter) and p.device.type != 'meta')")
+
+
+def _live_parameters(job, world_size):
+    import rpcmp
+    pipe = rpcmp.Pipeline(job, world_size)
+    owners = [p.process for p in pipe.places]
+    live = {name: rpc.rpc_sync(name, eval, args=(LIVE,)) for name in ["master", *owners]}
+    stages = [sum(r.to_here().numel() for r in s.remote_parameters()) for s in pipe.stages]  # after: copies
+    state = pipe.state_dict()
+    pipe.close()
+    return live, owners, stages, state
+
+
+@pytest.mark.timeout(300)
+def test_each_owner_holds_only_its_stage_and_the_master_nothing():
+    """The Unet cut inside its encoder: each owner's live parameters are exactly its stage's, the
+    master (which planned and traced the model) holds none, and the values are the unsplit model's."""
+    live, owners, stages, state = run_ranks("traced_unet", 4, _live_parameters)
+    assert live["master"] == 0
+    assert [live[o] for o in owners] == stages and all(stages)
+    job = load("traced_unet")
+    torch.manual_seed(job.seed)
+    assert_close_f32(state, job.model().state_dict(), rtol=0, atol=0)
+
+
+def _train(job, world_size):
+    return fit(job, world_size)["steps"]
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_is_an_index_and_parts_read_as_one_and_exported_as_a_plain_file(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    assert run_ranks("traced_unet", 4, _train, {"checkpoint_dir": folder, "max_steps": 2}) == 2
+    ckpt = load_checkpoint(folder)
+    index = torch.load(ckpt["path"], weights_only=True)
+    assert "model" not in index and "state" not in index["optimizer"]  # the master wrote no tensor
+    assert [p["file"] for p in index["parts"]] == sorted(f for f in os.listdir(folder) if ".stage-" in f)
+    assert [p["owner"] for p in index["parts"]] == ["worker1/cpu", "worker2/cpu", "worker3/cpu"]
+
+    out = str(tmp_path / "unet.pt")
+    result = CliRunner().invoke(main, ["export", folder, out])
+    assert result.exit_code == 0 and "wrote" in result.output, result.output
+    plain = load("traced_unet").model()
+    plain.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    assert_close_f32(plain.state_dict(), ckpt["model"], rtol=0, atol=0)
+
+    os.remove(os.path.join(folder, index["parts"][1]["file"]))  # a part left on another node
+    with pytest.raises(CheckpointError, match=r"stage 1\) was written by worker2/cpu .* Copy the parts into one folder"):
+        load_checkpoint(folder)
+
+
+def _initial(job, world_size):
+    import rpcmp
+    pipe = rpcmp.Pipeline(job, world_size)
+    state = pipe.state_dict()
+    pipe.close()
+    return state
+
+
+@pytest.mark.timeout(300)
+def test_init_from_gives_each_owner_its_keys_of_a_plain_state_dict(tmp_path):
+    job = load("traced_resnet")
+    torch.manual_seed(123)  # another seed than the job's: other values than its own initialization
+    values = job.model().state_dict()
+    path = str(tmp_path / "init.pt")
+    torch.save(values, path)
+    state = run_ranks("traced_resnet", 4, _initial, {"init_from": path})
+    assert_close_f32(state, values, rtol=0, atol=0)
+
+    del values["fc.weight"]
+    torch.save(values, path)
+    with pytest.raises(RuntimeError, match=r"CheckpointError: Job\(init_from=...\): .* 1 missing keys \['fc.weight'\]"):
+        run_ranks("traced_resnet", 4, _initial, {"init_from": path})
