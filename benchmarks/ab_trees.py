@@ -30,21 +30,24 @@ except ImportError:  # trees from before rpcmp/local.py
 
 def main(job, world):
     x, y = bench.mlp_data() if sys.argv[2] == "mlp" else bench.unet_data()
-    pipe = rpcmp.Pipeline(job, world, microbatches=4)
+    try:
+        pipe = rpcmp.Pipeline(job, world, microbatches=4, sample=x)  # SplitAt traces on it
+    except TypeError:  # trees from before Pipeline(sample=...)
+        pipe = rpcmp.Pipeline(job, world, microbatches=4)
     seconds = bench.median_time(lambda: pipe.train_step(x, y))
     pipe.close()
     return seconds
 
 if __name__ == "__main__":
     world = 2 if sys.argv[2] == "mlp" else 3
-    print("RESULT", launch_local(os.path.join(tree, "benchmarks", "jobs", sys.argv[2] + ".py"), world, main,
-                                 master_in_process=False))
+    print("RESULT", launch_local(sys.argv[3], world, main, master_in_process=False))
 '''
 
 
 @click.command()
 @click.argument("trees", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--job", type=click.Choice(["mlp", "unet"]), default="mlp", show_default=True)
+@click.option("--job", type=click.Choice(["mlp", "unet", "unet_cut"]), default="mlp", show_default=True,
+              help="A job of this tree's benchmarks/jobs (unet_cut: the Unet cut inside its encoder, SplitAt).")
 @click.option("--rounds", type=int, default=4, show_default=True)
 def main(trees, job, rounds):
     times = {t: [] for t in trees}
@@ -54,7 +57,9 @@ def main(trees, job, rounds):
     for r in range(rounds):
         for tree in trees:
             tree_abs = os.path.abspath(tree)
-            out = subprocess.run([sys.executable, launcher, tree_abs, job], capture_output=True, text=True,
+            job_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", job + ".py")  # same in both
+            out = subprocess.run([sys.executable, launcher, tree_abs, "mlp" if job == "mlp" else "unet", job_file],
+                                 capture_output=True, text=True,
                                  cwd=tree_abs, timeout=600, env={**os.environ, "PYTHONPATH": tree_abs})
             found = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
             if not found:

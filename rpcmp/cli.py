@@ -217,15 +217,21 @@ def plan(job_file, world_size, overrides):
                         f"{job.microbatches} micro-batches of a {job.batch_size}-sample batch")
     for col in ("stage", "modules", "ops", "parameters", "est. memory", "out / micro-batch", "placement"):
         table.add_column(col, justify="left" if col in ("stage", "modules", "ops", "placement") else "right")
-    total = 0
+    total, mail = 0, {}
     for spec, place in zip(specs, places):
         module = build_stage(job, spec, meta=True)  # structure and shapes only: nothing is allocated
         n = sum(p.numel() for p in module.parameters())
         bytes_ = sum(p.numel() * p.element_size() * (2 + states) for p in module.parameters())
         bytes_ += sum(b.numel() * b.element_size() for b in module.buffers())
         total += n
-        flow = _on_meta(module, flow)
-        crosses = "?" if flow is None else _mib(sum(t.numel() * t.element_size() for t in tensors(flow)))
+        route = module.__dict__.get("forward")  # a traced stage's: values come and go by post too
+        flow = _on_meta(module, (flow, mail.pop(spec.index, {})) if route is not None and route.mail_in else flow)
+        sent = flow
+        if flow is not None and route is not None and route.posts:
+            flow, posts = flow
+            for j, values in posts.items():
+                mail.setdefault(j, {}).update(values)
+        crosses = "?" if sent is None else _mib(sum(t.numel() * t.element_size() for t in tensors(sent)))
         table.add_row(str(spec.index), spec.name, _ops(module), f"{n:,}", _mib(bytes_), crosses, str(place))
     table.caption = (f"{total:,} parameters; memory = weights + gradients + {states} optimizer "
                      f"state(s) per parameter ({cls.__name__}) + buffers, activations excluded; out / micro-batch: "

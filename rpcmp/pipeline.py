@@ -112,6 +112,7 @@ class Pipeline(PipelineState):
         self._seq = 0
         health.status["stages"] = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
+        options["owners"] = list(self._owners)
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, _stage._build,

@@ -86,6 +86,10 @@ class _StageHost:
     lock: threading.RLock = field(default_factory=threading.RLock)  # forward vs recomputation
     next_seq: int = 0
     skipped: set = field(default_factory=set)  # seqs that failed upstream and will never come
+    owners: list = field(default_factory=list)  # process of every stage: where posts go
+    mail_in: tuple = ()  # values this stage reads from stages before the previous one (traced stages)
+    posts: bool = False  # whether it sends values straight to later stages (see [Note: skip values go ...])
+    mail: dict = field(default_factory=dict)  # seq -> {name: tensor} posted to this stage
     compute_s: float = 0.0
     runs: int = 0
     bytes_in: int = 0  # activations received (their gradients go back the same size)
@@ -110,6 +114,13 @@ class _StageHost:
                     f"{self.timeout:.0f}s for micro-batch {self.next_seq} before {seq}; an earlier "
                     f"micro-batch was lost upstream"
                 )
+            if self.mail_in:
+                if not self.turn.wait_for(lambda: len(self.mail.get(seq, ())) == len(self.mail_in), timeout=self.timeout):
+                    raise StageError(
+                        f"stage {self.spec.index} ({self.spec.name}) on {self.place.process} waited {self.timeout:.0f}s "
+                        f"for values {sorted(set(self.mail_in) - set(self.mail.get(seq, ())))} of micro-batch {seq} "
+                        f"from an earlier stage")
+                x = (x, self.mail.pop(seq))
         try:
             # See [Note: one compute thread per stage].
             return self.compute.submit(self._compute, x, grad, seq).result()
@@ -127,10 +138,18 @@ class _StageHost:
                 self._pass_skipped()
                 self.turn.notify_all()
 
+    def receive(self, seq: int, values: dict) -> None:
+        with self.turn:
+            if seq >= self.next_seq:  # not for a micro-batch that was skipped meanwhile
+                self.mail.setdefault(seq, {}).update(values)
+                self.turn.notify_all()
+
     def _pass_skipped(self) -> None:
         while self.next_seq in self.skipped:
             self.skipped.discard(self.next_seq)
             self.next_seq += 1
+        for old in [s for s in self.mail if s < self.next_seq]:  # values of micro-batches that will not run
+            del self.mail[old]
 
     def _precision(self):
         if self.autocast is None:
@@ -150,6 +169,11 @@ class _StageHost:
                 else:
                     y = self.module(x)
         check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
+        posts = None
+        if self.posts:
+            y, posts = y
+            if self.device.type != "cpu":  # posts go as CPU tensors: device maps cover neighbours only
+                posts = to_device(posts, torch.device("cpu"))
         if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
             y = to_device(y, torch.device("cpu"))
         self.compute_s += time.perf_counter() - start
@@ -161,6 +185,9 @@ class _StageHost:
                 out = next((t for t in tensors(y) if t.requires_grad), None)
                 if out is not None:
                     out.register_hook(lambda g: self._backward_started(seq))
+        if posts is not None:
+            self.bytes_out += sum(t.nbytes for t in tensors(posts))
+            return y, posts
         return y
 
     # -- tracing (``--trace FILE``): a slice per micro-batch forward and backward ------------
@@ -206,8 +233,11 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
     if options["recompute"]:
         make_recomputable(module)
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
+    route = module.forward if spec.kind == "traced" else None  # see [Note: skip values go straight to their consumer]
     _HOSTS[(pid, spec.index)] = _StageHost(pid, spec, place, module, device, next_process, keep, timeout,
-                                           autocast, bool(options["recompute"]))
+                                           autocast, bool(options["recompute"]), owners=list(options["owners"]),
+                                           mail_in=tuple(route.mail_in) if route else (),
+                                           posts=bool(route.posts) if route else False)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
 
 
@@ -227,12 +257,27 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
         return _done(Failure.of(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
                                 f"{type(exc).__name__}: {exc}", exc))
+    posted = []
+    if host.posts:  # see [Note: skip values go straight to their consumer] in rpcmp/traced.py
+        y, posts = y
+        posted = [rpc.rpc_async(host.owners[j], _post, args=(pid, j, seq, values)) for j, values in posts.items()]
     if host.next_process is not None:
-        return rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
-    if host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
+        nxt = rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
+    elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
         _deliver(pid, seq, y)
-        return _done(None)
-    return rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
+        nxt = _done(None)
+    else:
+        nxt = rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
+    if not posted:
+        return nxt
+    return torch.futures.collect_all([nxt, *posted]).then(lambda done: [f.wait() for f in done.wait()][0])
+
+
+def _post(pid: int, index: int, seq: int, values: dict) -> None:
+    """Values of micro-batch ``seq`` that an earlier stage sends straight to stage ``index``."""
+    host = _HOSTS.get((pid, index))
+    if host is not None:
+        host.receive(seq, values)
 
 
 def _send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) -> torch.futures.Future:
@@ -340,6 +385,7 @@ def _resync(pid: int, index: int, next_seq: int) -> None:
     with host.turn:
         host.next_seq = next_seq
         host.skipped.clear()
+        host.mail.clear()
         host.turn.notify_all()
 
 

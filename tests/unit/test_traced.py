@@ -8,6 +8,7 @@ import rpcmp
 from helpers import load
 from rpcmp.errors import PartitionError
 from rpcmp.partition import build_stage, plan_stages
+from rpcmp.traced import run_stages
 
 
 Classifier = load("traced_classifier").model  # forward is fc2(F.relu(fc1(x)))
@@ -16,10 +17,7 @@ Classifier = load("traced_classifier").model  # forward is fc2(F.relu(fc1(x)))
 def _compose(job, sample):
     specs = plan_stages(job, sample)
     stages = [build_stage(job, s) for s in specs]
-    h = sample
-    for stage in stages:
-        h = stage(h)
-    return specs, stages, h
+    return specs, stages, run_stages(stages, sample)
 
 
 def test_a_resnet_cut_in_three_keeps_flatten_and_every_name():
@@ -69,6 +67,12 @@ def test_a_unet_cut_inside_its_encoder_hands_the_skip_features_on():
     assert [s.name for s in specs] == ["input..encoder.layer3", "encoder.layer3..decoder", "decoder..output"]
     torch.manual_seed(job.seed)
     torch.testing.assert_close(out, unet()(x))
+    # see [Note: skip values go straight to their consumer]: the encoder's early features go from stage 0
+    # to the decoder's stage in a post of their own; stage 1 receives and sends only what it uses and makes
+    first, middle, last = (s.forward for s in stages)
+    assert list(first.posts) == [2] and len(first.posts[2]) == 2  # the 2 feature maps only the decoder reads
+    assert len(first.chain_out) == 1 and middle.chain_out[0] == first.chain_out[0]  # layer2 out: read by both
+    assert not middle.mail_in and last.mail_in == first.posts[2]
 
 
 def test_a_graph_that_fixes_the_batch_size_is_refused():
@@ -102,10 +106,8 @@ def test_attention_is_traced_for_any_batch_size():
     torch.manual_seed(job.seed)
     model = Attention()
     for n in (1, 3, 7):
-        x = h = torch.randn(n, 5, 8)
-        for stage in stages:
-            h = stage(h)
-        torch.testing.assert_close(h, model(x))
+        x = torch.randn(n, 5, 8)
+        torch.testing.assert_close(run_stages(stages, x), model(x))
 
 
 def test_several_inputs_and_outputs_travel_through_the_cut():
@@ -128,7 +130,4 @@ def test_several_inputs_and_outputs_travel_through_the_cut():
     torch.manual_seed(job.seed)
     model = TwoHeads()
     x = {"image": torch.randn(5, 8), "meta": torch.randn(5, 3)}
-    h = x
-    for stage in stages:
-        h = stage(h)
-    torch.testing.assert_close(h, model(x))
+    torch.testing.assert_close(run_stages(stages, x), model(x))
