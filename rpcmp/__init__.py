@@ -6,8 +6,8 @@ Declare stages in a job file, then launch it::
     torchrun --nnodes=3 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
         -m rpcmp.master examples/unet_split/job.py
 """
-from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NonFiniteLossError, PartitionError,
-                     PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError)
+from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NetworkError, NonFiniteLossError,
+                     PartitionError, PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError, WorkerLostError)
 from .job import Job, load_job
 from .partition import Split, SplitAt
 from .pipeline import Pipeline
@@ -15,6 +15,6 @@ from .pipeline import Pipeline
 __all__ = [
     "Job", "Split", "SplitAt", "Pipeline", "load_job",
     "RpcmpError", "JobError", "NonFiniteLossError", "PartitionError", "PlacementError", "MicroBatchError", "StageError", "StageOutputError",
-    "CheckpointError", "CheckpointWriteError", "LaunchError", "RunAbortedError",
+    "WorkerLostError", "CheckpointError", "CheckpointWriteError", "LaunchError", "RunAbortedError", "NetworkError",
 ]
 __version__ = "0.1.0"

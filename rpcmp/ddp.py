@@ -25,7 +25,8 @@ from torch.utils.data.distributed import DistributedSampler
 from .checkpoint import read_state_file
 from .materialize import build_whole
 from .errors import JobError, RunAbortedError
-from .health import WorkerLostError, describe
+from .errors import WorkerLostError
+from .health import describe
 from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, to_device
 from .data import data_loader, step_groups

@@ -1,8 +1,8 @@
 """Typed errors for user mistakes. Each message says what was expected, what was got, and the fix."""
 
 __all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError",
-           "NonFiniteLossError", "CheckpointError", "CheckpointWriteError", "LaunchError",
-           "RunAbortedError"]
+           "WorkerLostError", "NonFiniteLossError", "CheckpointError", "CheckpointWriteError", "LaunchError",
+           "RunAbortedError", "NetworkError"]
 
 
 class RpcmpError(Exception):
@@ -62,3 +62,11 @@ class LaunchError(RpcmpError, RuntimeError):
 class RunAbortedError(RpcmpError, RuntimeError):
     """On a worker: the master ended with an error or stopped answering, so this rank did not
     end normally either (it exits 1, and torchrun or a daemon sees a failed rank)."""
+
+
+class WorkerLostError(StageError):
+    """A worker died, hung or became unreachable."""
+
+
+class NetworkError(RpcmpError, RuntimeError):
+    """The network setup cannot work; the message says why and what to change."""

@@ -18,17 +18,13 @@ import time
 
 import torch.distributed.rpc as rpc
 
-from .errors import StageError
+from .errors import StageError, WorkerLostError
 
 __all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "status"]
 
 # What the master is doing, for the messages: set by Pipeline, the trainer and prediction
 # ("task": what the run does if it is not training).
 status: dict = {"step": 0, "checkpoint": None, "stages": {}, "task": None}
-
-
-class WorkerLostError(StageError):
-    """A worker died, hung or became unreachable."""
 
 
 def _ping() -> int:

@@ -10,13 +10,9 @@ import os
 import socket
 import time
 
-from .errors import RpcmpError
+from .errors import NetworkError
 
 __all__ = ["NetworkError", "select_interface", "preflight", "interfaces", "is_loopback", "wait_reachable", "port_free", "bound_store"]
-
-
-class NetworkError(RpcmpError, RuntimeError):
-    """The network setup cannot work; the message says why and what to change."""
 
 
 def interfaces() -> list[str]:

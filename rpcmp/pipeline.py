@@ -400,7 +400,7 @@ class Pipeline(PipelineState):
         return self.train(False)
 
     def explain(self, exc: BaseException) -> BaseException:
-        """``exc`` as a :class:`~rpcmp.health.WorkerLostError` naming the owner that stopped
+        """``exc`` as a :class:`~rpcmp.errors.WorkerLostError` naming the owner that stopped
         answering, if one did (see :func:`rpcmp.health.explain`)."""
         return health.explain(exc, set(self._owners))
 

@@ -20,7 +20,8 @@ import torch.distributed.rpc as rpc
 
 from . import stage as _stage
 from .errors import RunAbortedError, StageError
-from .health import Watchdog, WorkerLostError
+from .errors import WorkerLostError
+from .health import Watchdog
 from .job import Job, load_job
 from .network import preflight
 from .partition import Split, SplitAt

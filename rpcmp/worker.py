@@ -46,7 +46,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from .errors import JobError
-from .network import NetworkError, bound_store, port_free
+from .errors import NetworkError
+from .network import bound_store, port_free
 
 __all__ = ["serve_forever", "publish_job"]
 
