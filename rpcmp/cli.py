@@ -198,7 +198,8 @@ def worker(master, rank, token_file, iface):
               help="Processes the job will run on (default: stages + 1).")
 @job_options
 def plan(job_file, world_size, overrides):
-    """Print how JOB_FILE is cut into stages and placed, without starting any process."""
+    """Print how JOB_FILE is cut into stages and placed, and its schedule's plan, without starting any process."""
+    import torch
     from .job import load_job
     from .microbatch import tensors
     from .partition import build_stage, plan_stages
@@ -217,9 +218,10 @@ def plan(job_file, world_size, overrides):
                         f"{job.microbatches} micro-batches of a {job.batch_size}-sample batch")
     for col in ("stage", "modules", "ops", "parameters", "est. memory", "out / micro-batch", "placement"):
         table.add_column(col, justify="left" if col in ("stage", "modules", "ops", "placement") else "right")
-    total, mail = 0, {}
+    total, mail, bn = 0, {}, False
     for spec, place in zip(specs, places):
         module = build_stage(job, spec, meta=True)  # structure and shapes only: nothing is allocated
+        bn = bn or spec.has_bn or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
         n = sum(p.numel() for p in module.parameters())
         bytes_ = sum(p.numel() * p.element_size() * (2 + states) for p in module.parameters())
         bytes_ += sum(b.numel() * b.element_size() for b in module.buffers())
@@ -238,6 +240,24 @@ def plan(job_file, world_size, overrides):
                      f"what the stage sends on (its gradient comes back the same size), shapes from the meta device")
     console = Console()
     Console(width=max(console.width, 140)).print(table)  # a piped plan keeps whole stage names
+    Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch"))
+
+
+def _schedule_table(job, stages: int, whole_batch: bool) -> Table:
+    """The schedule's plan for one optimizer step (``--schedule S -m M`` to see another)."""
+    from .schedule import make_plan
+    step = make_plan(job.schedule, 1 if whole_batch else job.microbatches, stages)
+    table = Table(title=f"schedule {step.name!r}: one step of {step.microbatches} micro-batches over {stages} stages")
+    for col in ("micro-batch", "enters", "backward", "gradients"):
+        table.add_column(col)
+    for row in step.rows():
+        table.add_row(*row)
+    loss = "on the gathered batch" if step.loss == "gathered" else "per micro-batch, weighted by its share"
+    table.caption = (f"distributed-autograd context per {step.context}; loss {loss}; "
+                     f"at most {step.in_flight} micro-batches hold activations on a stage"
+                     + ("; the model has BatchNorm, so each training batch runs as 1 micro-batch (Job.batchnorm='batch'; "
+                        "'micro' pipelines M with per-micro-batch statistics)" if whole_batch else ""))
+    return table
 
 
 @main.command()

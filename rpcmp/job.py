@@ -16,12 +16,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import JobError
+from .schedule import SCHEDULES
 from .partition import Split, declaration_kind
 
 __all__ = ["Job", "load_job"]
 
 _TRANSPORTS = ("uv", "shm")
-SCHEDULES = ("overlap", "1f1b", "gpipe")  # see [Note: one context per micro-batch] in rpcmp/pipeline.py
 
 
 @dataclass

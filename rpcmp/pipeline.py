@@ -62,7 +62,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -78,10 +77,11 @@ from . import stage as _stage
 from .errors import JobError, NonFiniteLossError, StageError
 from .failure import Failure
 from .data import needs_sample, sample_batch
+from .executor import run_step
 from .futures import wait_all
 from .hparams import load_scheduler_state, make_probe, scheduled_fields, scheduler_state
-from .job import SCHEDULES
-from .microbatch import batch_size, gather, has_tensors, map_tensors, scatter
+from .schedule import SCHEDULES
+from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import StageSpec, plan_stages
 from .placement import Place, resolve_placement
 from .state import PipelineState
@@ -174,92 +174,16 @@ class Pipeline(PipelineState):
         """One optimizer step on batch ``(x, y)`` in ``chunks`` micro-batches; returns the loss.
 
         ``chunks`` defaults to M, or to 1 for a model with BatchNorm under ``Job(batchnorm="batch")``.
+        The schedule's plan (:mod:`rpcmp.schedule`) says how; :mod:`rpcmp.executor` runs it.
         """
-        chunks = chunks or self.batch_chunks
-        if self.schedule == "gpipe":
-            return self._step_gpipe(x, y, chunks)
-        return self._step_overlap(x, y, chunks)
+        return run_step(self, self.schedule, x, y, chunks or self.batch_chunks)
 
-    def _step_gpipe(self, x: Any, y: Any, chunks: int | None) -> torch.Tensor:
-        # One context for the whole step; the loss sees the whole batch's output.
-        with dist_autograd.context() as ctx:
-            out = self.forward(x, grad=True, chunks=chunks)
-            loss = self.job.loss(out, y)
-            self._backward(ctx, loss)
-            if self.optimizer is not None and self._finite(loss) and self._unscale_and_clip(ctx):
-                self.optimizer.step(ctx)
-                self._schedule_lr()
-        return loss.detach()
-
-    def _step_overlap(self, x: Any, y: Any, chunks: int | None) -> torch.Tensor:
-        # See [Note: one context per micro-batch].
-        xs = scatter(x, chunks or self.microbatches)
-        ys = scatter(y, len(xs)) if has_tensors(y) else [y] * len(xs)
-        m, n = len(xs), batch_size(x)
-        seqs = self._next_seqs(m)
-        ctx_ids, losses, errors = [0] * m, [None] * m, []
-        backward_done, stepped = threading.Barrier(m + 1), threading.Event()
-        merged = [threading.Event() for _ in range(m)]
-        outs = [None] * m if m > 1 and not self._loss_checked else None  # kept once, for _check_loss
-
-        cap = len(self.specs) if self.schedule == "1f1b" else m  # micro-batches in flight
-
-        def micro(i: int) -> None:
-            try:
-                if i >= cap:  # 1f1b: micro-batch i starts when i - S has left every stage
-                    merged[i - cap].wait()
-                with dist_autograd.context() as ctx:
-                    ctx_ids[i] = ctx
-                    out = self._fp32(_stage._send(self.pid, seqs[i], self.places[0].process, xs[i], True,
-                                                  self._owners).wait())
-                    loss = self.job.loss(out, ys[i]) * (batch_size(xs[i]) / n)
-                    if outs is not None:
-                        outs[i] = map_tensors(out, torch.Tensor.detach)
-                    self._backward(ctx, loss)
-                    losses[i] = loss.detach()
-                    if i > 0:  # add this context's gradients into the first's, in order, and free them
-                        merged[i - 1].wait()
-                        if self.optimizer is not None and not errors:
-                            wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(self.pid, ctx_ids[0], ctx))
-                                      for o in self._param_owners])
-                    merged[i].set()
-                    if i == 0:
-                        backward_done.wait()
-                        stepped.wait()  # the first context holds the sum until the optimizer has read it
-                if i > 0:
-                    backward_done.wait()
-            except threading.BrokenBarrierError:
-                pass
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
-                errors.append((i, exc))
-                backward_done.abort()
-                for event in merged:
-                    event.set()
-
-        if m > self._threads._max_workers:  # every micro-batch thread must run at once (barrier)
+    def _micro_threads(self, count: int) -> ThreadPoolExecutor:
+        """The master's micro-batch threads: every micro-batch of a step must run at once (a barrier)."""
+        if count > self._threads._max_workers:
             self._threads.shutdown(wait=False)
-            self._threads = ThreadPoolExecutor(m, thread_name_prefix="rpcmp-micro")
-        futs = [self._threads.submit(micro, i) for i in range(m)]
-        try:
-            backward_done.wait()
-            if self.optimizer is not None and self._finite(torch.stack(losses).sum()):
-                if self._unscale_and_clip(ctx_ids[0]):
-                    self.optimizer.step(ctx_ids[0])
-                    self._schedule_lr()
-        except threading.BrokenBarrierError:
-            pass
-        finally:
-            stepped.set()
-            for f in futs:
-                f.result()
-        if errors:
-            _stage._abandon(self.pid, seqs)
-            self._resync()
-            raise min(errors, key=lambda e: e[0])[1]  # the first micro-batch's failure, whichever thread saw one first
-        total = torch.stack(losses).sum()
-        if outs is not None:
-            self._check_loss(outs, y, total)
-        return total
+            self._threads = ThreadPoolExecutor(count, thread_name_prefix="rpcmp-micro")
+        return self._threads
 
     def _check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None:
         """Once per pipeline: warn if the micro-batches' weighted losses do not add up to the

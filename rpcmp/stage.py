@@ -14,9 +14,8 @@ those answers to come back down the chain: a micro-batch is done when its output
 arrives (:func:`_send`), which saves a one-way trip per stage (3 identity stages on
 the uv transport: 1.46-1.54 instead of 1.56-1.61 ms per hop, forward and backward).
 
-Micro-batches are numbered by the master (``seq``); a stage runs them strictly in
-that order, whatever order RPC threads pick them up in, so BatchNorm statistics and
-timings are deterministic.
+Micro-batches are numbered by the master (``seq``); a stage runs them strictly in that
+order (:class:`rpcmp.admission.InOrder`).
 
 [Note: one compute thread per stage]
 The RPC handler thread owns the distributed-autograd context (it is thread-local), so
@@ -47,6 +46,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
+from .admission import InOrder
 from .errors import StageError
 from .failure import Failure
 from .hparams import apply_fields, read_fields
@@ -84,19 +84,16 @@ class _StageHost:
     autocast: torch.dtype | None = None  # Job.precision bf16 / fp16: the stage runs under autocast
     recompute: bool = False  # see [Note: recompute]
     lock: threading.RLock = field(default_factory=threading.RLock)  # forward vs recomputation
-    next_seq: int = 0
-    skipped: set = field(default_factory=set)  # seqs that failed upstream and will never come
     owners: list = field(default_factory=list)  # process of every stage: where posts go
     mail_in: tuple = ()  # values this stage reads from stages before the previous one (traced stages)
     posts: bool = False  # whether it sends values straight to later stages (see [Note: skip values go ...])
-    mail: dict = field(default_factory=dict)  # seq -> {name: tensor} posted to this stage
+    gate: InOrder = field(default=None)  # micro-batches in the master's order
     compute_s: float = 0.0
     runs: int = 0
     bytes_in: int = 0  # activations received (their gradients go back the same size)
     bytes_out: int = 0  # activations sent on
     born: float = field(default_factory=time.perf_counter)
     cpu_born: float = field(default_factory=lambda: _cpu_seconds())
-    turn: threading.Condition = field(default_factory=threading.Condition)
     compute: ThreadPoolExecutor = field(default=None)
     events: list | None = None  # (kind, seq, start, end) wall-clock slices while tracing, else None
     _bwd_start: dict = field(default_factory=dict)  # seq -> when its backward reached this stage
@@ -105,51 +102,16 @@ class _StageHost:
         threads = torch.get_num_threads()
         self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"rpcmp-stage{self.spec.index}",
                                           initializer=torch.set_num_threads, initargs=(threads,))
+        self.gate = InOrder(f"stage {self.spec.index} ({self.spec.name}) on {self.place.process}", self.timeout,
+                            self.mail_in)
 
     def run(self, seq: int, x: Any, grad: bool) -> Any:
-        with self.turn:
-            if not self.turn.wait_for(lambda: self.next_seq >= seq, timeout=self.timeout):
-                raise StageError(
-                    f"stage {self.spec.index} ({self.spec.name}) on {self.place.process} waited "
-                    f"{self.timeout:.0f}s for micro-batch {self.next_seq} before {seq}; an earlier "
-                    f"micro-batch was lost upstream"
-                )
-            if self.mail_in:
-                if not self.turn.wait_for(lambda: len(self.mail.get(seq, ())) == len(self.mail_in), timeout=self.timeout):
-                    raise StageError(
-                        f"stage {self.spec.index} ({self.spec.name}) on {self.place.process} waited {self.timeout:.0f}s "
-                        f"for values {sorted(set(self.mail_in) - set(self.mail.get(seq, ())))} of micro-batch {seq} "
-                        f"from an earlier stage")
-                x = (x, self.mail.pop(seq))
+        mail = self.gate.enter(seq)
         try:
             # See [Note: one compute thread per stage].
-            return self.compute.submit(self._compute, x, grad, seq).result()
+            return self.compute.submit(self._compute, (x, mail) if self.mail_in else x, grad, seq).result()
         finally:
-            with self.turn:
-                self.next_seq = max(self.next_seq, seq + 1)
-                self._pass_skipped()
-                self.turn.notify_all()
-
-    def skip(self, seq: int) -> None:
-        """Micro-batch ``seq`` failed before reaching this stage: later ones must not wait for it."""
-        with self.turn:
-            if seq >= self.next_seq:
-                self.skipped.add(seq)
-                self._pass_skipped()
-                self.turn.notify_all()
-
-    def receive(self, seq: int, values: dict) -> None:
-        with self.turn:
-            if seq >= self.next_seq:  # not for a micro-batch that was skipped meanwhile
-                self.mail.setdefault(seq, {}).update(values)
-                self.turn.notify_all()
-
-    def _pass_skipped(self) -> None:
-        while self.next_seq in self.skipped:
-            self.skipped.discard(self.next_seq)
-            self.next_seq += 1
-        for old in [s for s in self.mail if s < self.next_seq]:  # values of micro-batches that will not run
-            del self.mail[old]
+            self.gate.leave(seq)
 
     def _precision(self):
         if self.autocast is None:
@@ -277,7 +239,7 @@ def _post(pid: int, index: int, seq: int, values: dict) -> None:
     """Values of micro-batch ``seq`` that an earlier stage sends straight to stage ``index``."""
     host = _HOSTS.get((pid, index))
     if host is not None:
-        host.receive(seq, values)
+        host.gate.receive(seq, values)
 
 
 def _send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) -> torch.futures.Future:
@@ -381,18 +343,13 @@ def _set_training(pid: int, index: int, mode: bool) -> None:
 
 
 def _resync(pid: int, index: int, next_seq: int) -> None:
-    host = _HOSTS[(pid, index)]
-    with host.turn:
-        host.next_seq = next_seq
-        host.skipped.clear()
-        host.mail.clear()
-        host.turn.notify_all()
+    _HOSTS[(pid, index)].gate.reset(next_seq)
 
 
 def _skip(pid: int, index: int, seq: int) -> None:
     host = _HOSTS.get((pid, index))
     if host is not None:
-        host.skip(seq)
+        host.gate.skip(seq)
 
 
 def _named_params(pid: int) -> dict[torch.Tensor, str]:

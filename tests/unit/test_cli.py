@@ -42,3 +42,11 @@ def test_plan_reports_a_bad_placement_clearly():
 def test_run_rejects_a_single_process():
     result = CliRunner().invoke(main, ["run", UNET, "--local", "1"])
     assert result.exit_code != 0 and "at least 2 processes" in result.output
+
+
+def test_plan_prints_the_schedules_plan():
+    result = CliRunner().invoke(main, ["plan", UNET, "--schedule", "1f1b", "-m", "4"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "schedule '1f1b': one step of 4 micro-batches over 3 stages" in result.output
+    text = " ".join(result.output.split())  # the caption wraps
+    assert "when 0's gradients are merged" in text and "at most 3 micro-batches hold activations" in text
