@@ -38,8 +38,8 @@ class StageError(RpcmpError, RuntimeError):
         return (type(self), (str(self), self.details, self.full_traceback))
 
 
-class StageOutputError(MicroBatchError):
-    """A stage returned something that cannot travel between stages."""
+class StageOutputError(MicroBatchError, StageError):
+    """A stage returned something that cannot travel between stages (a bad value, and a stage's failure)."""
 
 
 class NonFiniteLossError(RpcmpError, ArithmeticError):

@@ -6,9 +6,12 @@ process that raised it and re-raised on the caller as text (``On WorkerInfo(...)
 StageError('...')`` and the RPC traceback), each hop wrapping it once more: one failing
 micro-batch gave the user 157 lines with the traceback three times. So a stage that fails
 returns a :class:`Failure` instead of raising: the chain of ``_forward`` futures hands it
-back to the master as a result, typed, and the master raises one :class:`StageError` with
-a one-line message, the stage's own frames (``details``) and every frame
-(``full_traceback``, shown by ``--debug``).
+back to the master as a result, typed, and the master raises one error with a one-line
+message, the stage's own frames (``details``) and every frame (``full_traceback``, shown
+by ``--debug``). Its type is the one raised on the owner when that is an rpcmp error (a
+``PartitionError`` from building a stage, a ``StageOutputError`` from its output), found
+by the class's name in :mod:`rpcmp.errors`, never by reading the message; any other
+exception (the user's code) arrives as a :class:`StageError`.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import os
 import traceback
 from dataclasses import dataclass
 
-from .errors import StageError
+from . import errors
+from .errors import RpcmpError, StageError
 
 __all__ = ["Failure", "user_frames"]
 
@@ -29,14 +33,22 @@ class Failure:
     message: str
     details: str = ""
     full_traceback: str = ""
+    kind: str = "StageError"  # the rpcmp error class raised on the owner, by name
 
     @classmethod
     def of(cls, message: str, exc: BaseException) -> "Failure":
         """A failure with ``message`` for the exception being handled."""
-        return cls(message, user_frames(exc), "".join(traceback.format_exception(exc)))
+        kind = type(exc).__name__ if isinstance(exc, RpcmpError) and type(exc).__name__ in errors.__all__ else "StageError"
+        return cls(message, user_frames(exc), "".join(traceback.format_exception(exc)), kind)
 
-    def error(self) -> StageError:
-        return StageError(self.message, self.details, self.full_traceback)
+    def error(self) -> RpcmpError:
+        """The error to raise on the master: of the owner's type, with both tracebacks."""
+        cls = getattr(errors, self.kind, StageError)
+        if issubclass(cls, StageError):
+            return cls(self.message, self.details, self.full_traceback)
+        error = cls(self.message)
+        error.details, error.full_traceback = self.details, self.full_traceback
+        return error
 
 
 def user_frames(exc: BaseException) -> str:

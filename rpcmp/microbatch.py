@@ -1,7 +1,8 @@
 """Split a batch into micro-batches and merge them back.
 
 A batch is a tensor or a nested list / tuple / dict of tensors (the Unet encoder
-returns a list of feature maps). Every tensor is cut along dim 0; anything that is
+returns a list of feature maps), walked with ``torch.utils._pytree`` (named tuples and
+every structure registered there too). Every tensor is cut along dim 0; anything that is
 not a tensor is copied unchanged into each micro-batch.
 
 >>> import torch
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from .errors import MicroBatchError, StageOutputError
 
@@ -51,57 +53,31 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
 
 def gather(parts: list[Any]) -> Any:
     """Inverse of :func:`scatter`: concatenate micro-batches along dim 0."""
-    first = parts[0]
-    if isinstance(first, torch.Tensor):
-        return first if len(parts) == 1 else torch.cat(parts)
-    if isinstance(first, (list, tuple)):
-        merged = [gather([p[i] for p in parts]) for i in range(len(first))]
-        return type(first)(merged) if not hasattr(first, "_fields") else type(first)(*merged)
-    if isinstance(first, dict):
-        return {k: gather([p[k] for p in parts]) for k in first}
-    return first
+    if len(parts) == 1:
+        return parts[0]
+    leaves, spec = pytree.tree_flatten(parts[0])
+    columns = zip(leaves, *(pytree.tree_leaves(p) for p in parts[1:]))
+    return pytree.tree_unflatten([torch.cat(c) if isinstance(c[0], torch.Tensor) else c[0] for c in columns], spec)
 
 
 def check_tensors(value: Any, where: str) -> None:
     """Raise a clear error unless ``value`` is a tensor or nested list/tuple/dict of tensors."""
-    if isinstance(value, torch.Tensor):
-        return
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            check_tensors(v, f"{where}[{i}]")
-        return
-    if isinstance(value, dict):
-        for k, v in value.items():
-            check_tensors(v, f"{where}[{k!r}]")
-        return
-    raise StageOutputError(
-        f"{where} is a {type(value).__name__}; a stage must return a tensor or a nested "
-        f"list/tuple/dict of tensors: return tensors only (turn numbers into tensors)"
-    )
+    for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            raise StageOutputError(
+                f"{where}{pytree.keystr(path)} is a {type(leaf).__name__}; a stage must return a tensor or a nested "
+                f"list/tuple/dict of tensors: return tensors only (turn numbers into tensors)"
+            )
 
 
 def tensors(batch: Any):
     """Every tensor of a nested batch, depth first."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from tensors(v)
-    elif isinstance(batch, dict):
-        for v in batch.values():
-            yield from tensors(v)
+    return (t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 
 def map_tensors(batch: Any, fn):
     """``batch`` with ``fn`` applied to every tensor, structure kept."""
-    if isinstance(batch, torch.Tensor):
-        return fn(batch)
-    if isinstance(batch, (list, tuple)):
-        mapped = [map_tensors(v, fn) for v in batch]
-        return type(batch)(*mapped) if hasattr(batch, "_fields") else type(batch)(mapped)
-    if isinstance(batch, dict):
-        return {k: map_tensors(v, fn) for k, v in batch.items()}
-    return batch
+    return pytree.tree_map_only(torch.Tensor, fn, batch)
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:

@@ -48,10 +48,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
     losses, samples, saved, start = [], 0, None, time.perf_counter()
     log = MetricsLog(job.metrics_file if engine.is_main else None)
     tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
-    columns = (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} samples/s"),
-               TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=False, disable=not engine.is_main) as progress:
+    with Progress(*_progress_columns(), console=console, transient=False, disable=not engine.is_main) as progress:
         while step < total:
             engine.train()
             groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
@@ -87,11 +84,22 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                 saved = _save(job, engine, run, step, epoch, first_batch)
     if job.checkpoint_dir and saved != step:
         _save(job, engine, run, step, epoch, first_batch)
-    elapsed = time.perf_counter() - start
+    return _finish(job, engine, console, log, tracer, heldout, before, losses, samples, step, time.perf_counter() - start)
+
+
+def _progress_columns() -> tuple:
+    return (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} samples/s"),
+            TimeRemainingColumn())
+
+
+def _finish(job, engine, console: Console, log, tracer, heldout, before, losses: list, samples: int, step: int,
+            elapsed: float) -> dict[str, Any]:
+    """The end of a run: the timeline, the held-out metric, the last metrics record and the summary."""
     tracer.finish(console)
     after = engine.evaluate(heldout) if before is not None else None
-    log.write(kind="end", step=step, metric_before=before, metric_after=after, seconds=elapsed,
-              samples_per_s=samples / elapsed if elapsed else 0.0)
+    log.write(kind="end", step=step, metric_before=before, metric_after=after,
+              seconds=elapsed, samples_per_s=samples / elapsed if elapsed else 0.0)
     log.close()
     engine.summary(console) if hasattr(engine, "summary") else None
     if losses:
