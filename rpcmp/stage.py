@@ -214,9 +214,9 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     host = _HOSTS[(pid, index)]
     try:
         y = host.run(seq, x, grad)
-    except StageError as exc:  # waited out the timeout for an earlier micro-batch
-        return _done(Failure(str(exc)))
     except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
+        if type(exc) is StageError:  # the gate waited out its timeout: its message says it all
+            return _done(Failure(str(exc)))
         return _done(Failure.of(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
                                 f"{type(exc).__name__}: {exc}", exc))
     posted = []
