@@ -16,6 +16,7 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
+from . import inbox
 from . import stage as _stage
 from .futures import wait_all
 from .microbatch import batch_size, has_tensors, map_tensors, scatter
@@ -76,7 +77,7 @@ class _MicroBatches:
             for f in futs:
                 f.result()
         if self.errors:
-            _stage._abandon(pipe.pid, self.seqs)
+            inbox.abandon(pipe.pid, self.seqs)
             pipe._resync()
             raise min(self.errors, key=lambda e: e[0])[1]  # the first micro-batch's failure, whichever thread saw one first
         total = torch.stack(self.losses).sum()
@@ -107,7 +108,7 @@ class _MicroBatches:
 
     def _forward_backward(self, i: int, ctx: int) -> None:
         pipe = self.pipe
-        out = _stage._send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe._owners).wait()
+        out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe._owners).wait()
         out = pipe._fp32(out)
         loss = pipe.job.loss(out, self.ys[i]) * (batch_size(self.xs[i]) / self.n)
         if self.outs is not None:

@@ -73,6 +73,7 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 from . import health
+from . import inbox
 from . import stage as _stage
 from .errors import JobError, NonFiniteLossError, StageError
 from .failure import Failure
@@ -112,7 +113,7 @@ class Pipeline(PipelineState):
         self._seq = 0
         health.status["stages"] = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
-        options["owners"] = list(self._owners)
+        options["owners"], options["deliver"] = list(self._owners), inbox.deliver
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, _stage._build,
@@ -158,9 +159,9 @@ class Pipeline(PipelineState):
         first = self.places[0].process
         seqs = self._next_seqs(len(parts))
         try:
-            outs = wait_all([_stage._send(self.pid, s, first, p, grad, self._owners) for s, p in zip(seqs, parts)])
+            outs = wait_all([inbox.send(self.pid, s, first, p, grad, self._owners) for s, p in zip(seqs, parts)])
         except Exception:
-            _stage._abandon(self.pid, seqs)
+            inbox.abandon(self.pid, seqs)
             self._resync()
             raise
         return gather([self._fp32(out) for out in outs])

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.rpc as rpc
 
+from . import inbox
 from . import stage as _stage
 from .errors import RunAbortedError, StageError
 from .errors import WorkerLostError
@@ -150,6 +151,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     if job.mode == "ddp":
         return _run_ddp_rank(job, rank, world_size, main)
     _stage.set_job(job)
+    inbox.clear()
     _fresh_store_prefix()
     options = _backend_options(job, world_size)
     if job.device_maps:

@@ -1,9 +1,10 @@
-"""The owner side of a stage: build it, run micro-batches in order, forward the result.
+"""The owner side of a stage: build it, run micro-batches in order, forward the result
+(the master's side of the wire is :mod:`rpcmp.inbox`).
 
 [Note: why activations skip the master]
 The master sends micro-batch m to stage 0 only. Each stage runs it and calls the next
 stage's owner itself (``rpc_async`` from inside :func:`_forward`); the last stage
-hands its output to the master (:func:`_deliver`), which computes the loss. All of
+hands its output to the master (:func:`rpcmp.inbox.deliver`), which computes the loss. All of
 this happens inside the master's distributed-autograd context, which RPC carries
 along, so ``dist_autograd.backward`` sends each gradient straight back along the
 same hops: stage to stage, never via the master. ``_forward`` is an
@@ -11,7 +12,7 @@ same hops: stage to stage, never via the master. ``_forward`` is an
 free at once, errors travel back to the master, and stage k works on micro-batch
 m + 1 while stage k + 1 works on m (GPipe fill and drain). The master does not wait for
 those answers to come back down the chain: a micro-batch is done when its output
-arrives (:func:`_send`), which saves a one-way trip per stage (3 identity stages on
+arrives (:func:`rpcmp.inbox.send`), which saves a one-way trip per stage (3 identity stages on
 the uv transport: 1.46-1.54 instead of 1.56-1.61 ms per hop, forward and backward).
 
 Micro-batches are numbered by the master (``seq``); a stage runs them strictly in that
@@ -59,8 +60,6 @@ __all__: list[str] = []  # everything here is called over RPC by rpcmp.pipeline
 
 _JOB = None  # the Job this process imported (set by rpcmp.runtime)
 _HOSTS: dict[tuple[int, int], "_StageHost"] = {}
-_INBOX: dict[tuple[int, int], torch.futures.Future] = {}  # (pipeline id, seq) -> its output, on the master
-_INBOX_LOCK = threading.Lock()
 _BUILD_LOCK = threading.Lock()  # the global RNG is per process: one stage build at a time
 
 
@@ -68,7 +67,6 @@ def set_job(job) -> None:
     global _JOB
     _JOB = job
     _HOSTS.clear()
-    _INBOX.clear()
 
 
 @dataclass
@@ -88,6 +86,7 @@ class _StageHost:
     mail_in: tuple = ()  # values this stage reads from stages before the previous one (traced stages)
     posts: bool = False  # whether it sends values straight to later stages (see [Note: skip values go ...])
     gate: InOrder = field(default=None)  # micro-batches in the master's order
+    deliver: Any = None  # the master's endpoint for the last stage's output (rpcmp.inbox.deliver)
     compute_s: float = 0.0
     runs: int = 0
     bytes_in: int = 0  # activations received (their gradients go back the same size)
@@ -198,6 +197,7 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
     route = module.forward if spec.kind == "traced" else None  # see [Note: skip values go straight to their consumer]
     _HOSTS[(pid, spec.index)] = _StageHost(pid, spec, place, module, device, next_process, keep, timeout,
                                            autocast, bool(options["recompute"]), owners=list(options["owners"]),
+                                           deliver=options["deliver"],
                                            mail_in=tuple(route.mail_in) if route else (),
                                            posts=bool(route.posts) if route else False)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
@@ -226,10 +226,10 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     if host.next_process is not None:
         nxt = rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
     elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
-        _deliver(pid, seq, y)
+        host.deliver(pid, seq, y)
         nxt = _done(None)
     else:
-        nxt = rpc.rpc_async(MASTER, _deliver, args=(pid, seq, y))
+        nxt = rpc.rpc_async(MASTER, host.deliver, args=(pid, seq, y))
     if not posted:
         return nxt
     return torch.futures.collect_all([nxt, *posted]).then(lambda done: [f.wait() for f in done.wait()][0])
@@ -240,61 +240,6 @@ def _post(pid: int, index: int, seq: int, values: dict) -> None:
     host = _HOSTS.get((pid, index))
     if host is not None:
         host.gate.receive(seq, values)
-
-
-def _send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) -> torch.futures.Future:
-    """On the master: start micro-batch ``seq`` at the first stage's owner ``first``.
-
-    The returned future completes with the last stage's output the moment :func:`_deliver`
-    brings it, or with the first error of the chain. Each ``_forward`` answers its caller
-    only when the rest of the chain has answered it (that is how an error travels back), so
-    waiting for the chain's own future would add a one-way trip per stage after the output
-    has arrived; see [Note: why activations skip the master]. If the chain fails, every
-    stage (``owners[k]`` holds stage k) is told to skip ``seq``, so that the stages after
-    the failure do not wait for it with later micro-batches.
-    """
-    out = torch.futures.Future()
-    with _INBOX_LOCK:
-        _INBOX[(pid, seq)] = out
-
-    def failed(chain: torch.futures.Future) -> None:
-        try:
-            value = chain.wait()
-        except Exception as exc:  # noqa: BLE001 - a transport error: handed to the waiting master
-            error = exc
-        else:
-            if not isinstance(value, Failure):
-                return
-            error = value.error()
-        _settle(pid, seq, error)
-        for index, owner in enumerate(owners):
-            try:
-                rpc.rpc_async(owner, _skip, args=(pid, index, seq))
-            except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
-                pass
-    rpc.rpc_async(first, _forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
-    return out
-
-
-def _settle(pid: int, seq: int, value: Any) -> None:
-    with _INBOX_LOCK:
-        out = _INBOX.pop((pid, seq), None)
-    if out is None:  # delivered already (a later error in the answers back) or abandoned
-        return
-    if isinstance(value, Exception):
-        out.set_exception(value)
-    else:
-        out.set_result(value)
-
-
-def _deliver(pid: int, seq: int, y: Any) -> None:
-    _settle(pid, seq, y)
-
-
-def _abandon(pid: int, seqs: list[int]) -> None:
-    with _INBOX_LOCK:
-        for seq in seqs:
-            _INBOX.pop((pid, seq), None)
 
 
 def _param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
