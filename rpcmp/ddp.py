@@ -232,6 +232,19 @@ class DDPEngine:
     def load_scheduler_state(self, state) -> None:
         load_scheduler_state(self.scheduler, self.optimizer, state)
 
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's GradScaler scale (None without fp16), so checkpoints carry it as in pipeline mode."""
+        return self.scaler.get_scale() if self.scaler is not None else None
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        if self.scaler is not None:
+            self.scaler.update(value)
+
+    def summary(self, console) -> None:
+        """Nothing per rank to add to the run's summary."""
+
     def describe(self) -> str:
         return (f"DDP on {self.world} ranks ({'nccl' if self.device.type == 'cuda' else 'gloo'}), "
                 f"{self.local_batch} samples per rank, accumulate {self.job.accumulate}, {self.job.precision}")

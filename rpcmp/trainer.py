@@ -1,27 +1,23 @@
 """The training loop on the master: data, steps, progress, held-out metric."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 
-from .checkpoint import (CheckpointError, check_model_keys, latest_checkpoint, load_checkpoint, model_fingerprint,
+from .checkpoint import (CheckpointError, check_model_keys, model_fingerprint,
                          new_run_id, save_checkpoint)
 from . import health
 from .errors import JobError
-from .microbatch import batch_size, gather
-from .data import data_loader, datasets, epoch_batches, step_groups
-from .pipeline import Pipeline
+from .data import datasets
+from .engine import make_engine
 from .trace import write_chrome_trace
 
-__all__ = ["fit", "evaluate", "make_engine", "PipelineEngine"]
+__all__ = ["fit"]
 
 
 def fit(job, world_size: int, console: Console | None = None, engine=None) -> dict[str, Any]:
@@ -101,7 +97,7 @@ def _finish(job, engine, console: Console, log, tracer, heldout, before, losses:
     log.write(kind="end", step=step, metric_before=before, metric_after=after,
               seconds=elapsed, samples_per_s=samples / elapsed if elapsed else 0.0)
     log.close()
-    engine.summary(console) if hasattr(engine, "summary") else None
+    engine.summary(console)
     if losses:
         console.print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  "
                       f"{samples / elapsed:.1f} samples/s  {elapsed:.1f}s")
@@ -161,120 +157,6 @@ class MetricsLog:
             self.file.close()
 
 
-def make_engine(job, world_size: int, train_set=None):
-    if job.mode == "ddp":
-        from .ddp import DDPEngine
-        return DDPEngine(job)
-    return PipelineEngine(Pipeline(job, world_size), job)
-
-
-class PipelineEngine:
-    """What the trainer drives in pipeline mode: a :class:`Pipeline` and the batch order."""
-
-    mode = "pipeline"
-    is_main = True
-
-    def __init__(self, pipe: Pipeline, job):
-        self.pipe, self.job = pipe, job
-
-    def steps_per_epoch(self, n: int) -> int:
-        return n // self.job.batch_size // self.job.accumulate
-
-    def epoch_loader(self, dataset, epoch: int, first_batch: int):
-        batches = epoch_batches(len(dataset), self.job.batch_size, self.job.seed, epoch)
-        return step_groups(dataset, batches, first_batch, self.job.accumulate)
-
-    def train_step(self, group: list) -> tuple[float, int]:
-        # Accumulating k batches is one step over their concatenation in k x M micro-batches:
-        # the same gradient, as each micro-batch's loss is weighted by its share of all samples.
-        x, y = group[0] if len(group) == 1 else gather(group)
-        loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
-        return loss.item(), batch_size(x)
-
-    def evaluate(self, dataset) -> float:
-        return evaluate(self.pipe, dataset, self.job)
-
-    def train(self) -> None:
-        self.pipe.train()
-
-    def state_meta(self) -> dict:
-        return self.pipe.state_meta()
-
-    def write_state(self, directory: str, step: int, keep_last: int, run: str) -> dict:
-        """The owners write the parts; the index names them (see [Note: a checkpoint nobody holds whole])."""
-        return {"parts": self.pipe.save_stage_files(directory, step, keep_last, run), "optimizer": {}}
-
-    def load_state(self, ckpt: dict) -> None:
-        self.pipe.load_files(ckpt["files"])  # each owner reads its own keys
-
-    @property
-    def scheduler(self):
-        return self.pipe.scheduler
-
-    def step_metrics(self) -> dict:
-        return {"lr": self.pipe.lr, "grad_norm": self.pipe.last_grad_norm}
-
-    def epoch_metrics(self) -> dict:
-        stats = self.pipe.stats()
-        return {"stages": [{"stage": s.index, "name": s.name, "owner": str(p), "forward_s": st["compute_s"],
-                            "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"], "wall_s": st["wall_s"],
-                            "process_cpu_s": st["process_cpu_s"], "mib_in": st["mib_in"], "mib_out": st["mib_out"]}
-                           for s, p, st in zip(self.pipe.specs, self.pipe.places, stats)]}
-
-    def rng_state(self):
-        return self.pipe.rng_state()
-
-    def load_rng_state(self, state) -> bool:
-        return self.pipe.load_rng_state(state)
-
-    @property
-    def loss_scale(self) -> float | None:
-        return self.pipe.loss_scale
-
-    @loss_scale.setter
-    def loss_scale(self, value: float) -> None:
-        self.pipe.loss_scale = value
-
-    def scheduler_state(self) -> dict:
-        return self.pipe.scheduler_state()
-
-    def load_scheduler_state(self, state) -> None:
-        self.pipe.load_scheduler_state(state)
-
-    @contextlib.contextmanager
-    def saving(self, step: int):
-        yield True  # the master writes every checkpoint
-
-    def resume_checkpoint(self, directory: str) -> dict | None:
-        return load_checkpoint(directory) if latest_checkpoint(directory) else None
-
-    def describe(self) -> str:
-        pipe = self.pipe
-        text = ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
-                + f"   micro-batches: {pipe.batch_chunks}, schedule {pipe.schedule}, precision {self.job.precision}")
-        if pipe.whole_batch_bn and pipe.microbatches > 1:
-            text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
-                     f"batch's (Job.batchnorm='batch'); batchnorm='micro' pipelines {pipe.microbatches} micro-batches "
-                     f"with per-micro-batch statistics")
-        return text
-
-    def explain(self, exc: BaseException) -> BaseException:
-        return self.pipe.explain(exc)
-
-    def summary(self, console: Console) -> None:
-        table = Table(title="rpcmp run: stages", show_header=True,
-                      caption="busy: the owner process's CPU time over the stage's lifetime (1 thread: 100% = never "
-                              "waiting); MiB in/out: activations received/sent, gradients travel back the same")
-        cols = ("stage", "owner", "micro-batches", "forward s", "busy", "MiB in", "MiB out", "peak RSS MiB")
-        for col in cols:
-            table.add_column(col, justify="left" if col in ("stage", "owner") else "right")
-        for spec, place, st in zip(self.pipe.specs, self.pipe.places, self.pipe.stats()):
-            busy = st["process_cpu_s"] / max(st["wall_s"], 1e-9) / max(torch.get_num_threads(), 1)
-            table.add_row(f"{spec.index} {spec.name}", str(place), str(int(st["runs"])), f"{st['compute_s']:.2f}",
-                          f"{busy:.0%}", f"{st['mib_in']:.1f}", f"{st['mib_out']:.1f}", f"{st['peak_rss_mib']:.0f}")
-        console.print(table)
-
-
 def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
     rng = engine.rng_state()  # DDP: a collective, so every rank takes part
     # DDP: every rank holds the same state; rank 0 writes it while the others wait (see DDPEngine.saving)
@@ -292,7 +174,7 @@ def _write(job, engine, run: str, step: int, epoch: int, next_batch: int, rng) -
         "mode": engine.mode, "fingerprint": model_fingerprint(engine.state_meta()), **state,
         "scheduler": engine.scheduler_state() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
-        "rng": rng, "loss_scale": getattr(engine, "loss_scale", None),
+        "rng": rng, "loss_scale": engine.loss_scale,
     }, step, job.keep_last, run)
 
 
@@ -317,23 +199,10 @@ def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
     if pipe.scheduler is not None and ckpt.get("scheduler"):
         pipe.load_scheduler_state(ckpt["scheduler"])
     rng = pipe.load_rng_state(ckpt.get("rng")) if ckpt["mode"] == pipe.mode else False
-    if ckpt.get("loss_scale") and getattr(pipe, "loss_scale", None):
+    if ckpt.get("loss_scale") and pipe.loss_scale:
         pipe.loss_scale = ckpt["loss_scale"]
     run = ckpt.get("run")
     console.print(f"resumed run {run or '(unnamed)'} at step {ckpt['step']} from {ckpt['path']} (written in {ckpt['mode']} mode)"
                   + ("" if rng else "; random number generators start afresh (saved in the other mode, or with other stages "
                                     "or ranks on each process), so dropout draws other masks than an uninterrupted run would"))
     return ckpt["step"], ckpt["epoch"], ckpt["next_batch"], run
-
-
-@torch.no_grad()
-def evaluate(pipe: Pipeline, dataset, job) -> float:
-    """Mean of ``job.metric`` over ``dataset`` (weighted by batch size), stages in eval mode."""
-    pipe.eval()
-    total, count = 0.0, 0
-    for x, y in data_loader(dataset, batch_size=job.batch_size):
-        n = batch_size(x)
-        total += float(job.metric(pipe.predict(x), y)) * n
-        count += n
-    pipe.train()
-    return total / max(count, 1)

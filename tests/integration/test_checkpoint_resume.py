@@ -12,7 +12,8 @@ import torch
 import rpcmp
 from helpers import assert_close_f32, load, run_ranks
 from rpcmp.checkpoint import load_checkpoint
-from rpcmp.trainer import PipelineEngine, _save, fit
+from rpcmp.engine import PipelineEngine
+from rpcmp.trainer import _save, fit
 
 pytestmark = pytest.mark.integration
 ADAM = (torch.optim.Adam, {"lr": 0.01})
