@@ -10,6 +10,7 @@ Runs inside an initialised RPC world (see :mod:`rpcmp.runtime`)::
 See [Note: why activations skip the master] in :mod:`rpcmp.stage`.
 
 [Note: one context per micro-batch]
+(Each schedule's plan is data in :mod:`rpcmp.schedule`; :mod:`rpcmp.executor` runs it.)
 With ``schedule="overlap"`` (the default) every micro-batch gets its own
 distributed-autograd context, driven by its own thread on the master: its loss and
 ``dist_autograd.backward`` start the moment its output arrives, while later
