@@ -29,6 +29,7 @@ from .errors import WorkerLostError
 from .health import describe
 from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, to_device
+from .policy import NonFinite
 from .data import data_loader, step_groups
 
 __all__ = ["DDPEngine", "init_ddp", "join", "leave"]
@@ -104,7 +105,7 @@ class DDPEngine:
         if job.precision == "fp16" and self.device.type != "cuda":
             raise JobError("precision='fp16' needs a GPU (loss scaling); use precision='bf16' on the CPU")
         self.is_main = self.rank == 0
-        self.skipped_steps = 0
+        self.nonfinite = NonFinite(job.nonfinite, " (DDP mode)")
 
     # -- data ------------------------------------------------------------------
     def epoch_loader(self, dataset, epoch: int, first_batch: int):
@@ -132,11 +133,7 @@ class DDPEngine:
             total += loss.detach().float()
         dist.all_reduce(total)
         total /= self.world
-        if not torch.isfinite(total):
-            if self.job.nonfinite == "stop":
-                from .errors import NonFiniteLossError
-                raise NonFiniteLossError(f"the loss is {total.item()} (DDP mode): set Job(nonfinite='skip') to skip")
-            self.skipped_steps += 1
+        if not self.nonfinite.allows(total):  # every rank sees the same reduced loss: all skip, or all stop
             return total.item(), self.job.batch_size * len(group)
         if self.job.clip_grad_norm:
             if self.scaler:

@@ -76,7 +76,7 @@ from torch.distributed.optim import DistributedOptimizer
 from . import health
 from . import inbox
 from . import stage as _stage
-from .errors import JobError, NonFiniteLossError, StageError
+from .errors import JobError, StageError
 from .failure import Failure
 from .data import needs_sample, sample_batch
 from .executor import run_step
@@ -86,6 +86,7 @@ from .schedule import SCHEDULES
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import StageSpec, plan_stages
 from .placement import Place, resolve_placement
+from .policy import NonFinite
 from .state import PipelineState
 
 __all__ = ["Pipeline"]
@@ -137,7 +138,7 @@ class Pipeline(PipelineState):
         cls, kwargs = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
-        self.skipped_steps = 0
+        self.nonfinite = NonFinite(job.nonfinite)
         # fp16: the loss is scaled before backward; a step whose gradients overflow on any stage is
         # skipped and the scale halved; it doubles after GROWTH good steps (as torch.amp.GradScaler).
         self.loss_scale = 2.0 ** 16 if job.precision == "fp16" else None
@@ -294,18 +295,12 @@ class Pipeline(PipelineState):
         return [f["lr"] for f in self.hparams()]
 
     def _finite(self, loss: torch.Tensor) -> bool:
-        """False (skip this step's update) or raise, as ``Job.nonfinite`` says, for a NaN/inf loss."""
-        if torch.isfinite(loss).all():
-            return True
-        if self.job.nonfinite == "skip":
-            self.skipped_steps += 1
-            warnings.warn(f"loss is {loss.item()}: this step's update was skipped (Job.nonfinite='skip'); "
-                          f"{self.skipped_steps} skipped so far", RuntimeWarning, stacklevel=3)
-            return False
-        raise NonFiniteLossError(
-            f"the loss is {loss.item()}: training stopped before the optimizer step, so the parameters are "
-            f"still finite. Lower the learning rate, check the data, or set Job(nonfinite='skip') to skip such steps"
-        )
+        return self.nonfinite.allows(loss)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update ``Job(nonfinite="skip")`` skipped."""
+        return self.nonfinite.skipped
 
     def _next_seqs(self, count: int) -> list[int]:
         seqs = list(range(self._seq, self._seq + count))
