@@ -140,7 +140,8 @@ def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
     """``job.model()`` built under ``job.seed`` where every parameter and buffer whose name
     ``keep`` accepts holds its unsplit value and every other one is on the meta device."""
     _, order = _record(job)
-    scratch = _Scratch({d: max((_numel(s) for n, s, dd in order if dd == d), default=0) for _, _, d in order})
+    others = [(shape, dtype) for names, shape, dtype in order if not any(keep(n) for n in names)]
+    scratch = _Scratch({d: max((_numel(s) for s, dd in others if dd == d), default=0) for _, d in others})
     seen = iter(order)
 
     def place(t):
