@@ -18,29 +18,25 @@ micro-batches are still in the forward pass (1F1B-style overlap of forward and b
 across stages). All M forwards are issued at once, so activation memory is that of
 GPipe. ``schedule="1f1b"`` bounds it as 1F1B does: micro-batch i enters the pipeline
 only when micro-batch i - S has left every stage (its backward and gradient merge are
-done), so at most S micro-batches hold activations on any stage (split Unet, batch 16 of
-256x256, M = 8: largest process 1719 -> 1445 MiB, step 5.21 -> 5.41 s; M = 16:
-1563 -> 1324 MiB, 5.47 -> 5.63 s). Holding instead stage k's forward of micro-batch i
+done), so at most S micro-batches hold activations on any stage: less memory for a
+little more step time. Holding instead stage k's forward of micro-batch i
 until its own backward of i - (S - k) has passed, a strict 1F1B order on every stage,
 was slower: the last stage then alternates forward and backward and every latency
-between them lies on the critical path (2-stage MLP, M = 4: 157-187 ms against 133-146
-ms per step). Each context's backward is an independent graph task on every stage, so
+between them lies on the critical path. Each context's backward is an independent graph task on every stage, so
 gradients flow upstream one micro-batch at a time. Within one shared context the
 autograd engine orders nodes by per-thread sequence numbers and runs the nodes that
 received activations over RPC last, so every stage finished all M backward passes before
-sending any gradient upstream, and the drain ran serially (2-stage MLP, M = 4: backward
-141 ms in one context, step 193 ms with one context per micro-batch vs 236 ms).
+sending any gradient upstream, and the drain ran serially.
 As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums always
 add up in the same order), each owner adds its gradients into the first context's
 (:func:`rpcmp.stage._merge_grads`) and the context is released: an owner holds two
-copies of its gradients at a time, not M (measured on the split Unet, batch 16 of
-256x256, M = 4, recompute: the encoder process's peak RSS fell from 1697 to 1521 MiB),
-and the merges overlap the remaining backward passes. The DistributedOptimizer steps
+copies of its gradients at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps
 with the first context. The loss of micro-batch i is weighted by its share of the batch,
 which is exact for losses that are means over samples (checked on the first step, see
 :meth:`Pipeline._check_loss`). ``schedule="gpipe"`` keeps one context per step and
 computes the loss once on the gathered output: exact for any loss (a batch-level Dice,
-say), with less overlap.
+say), with less overlap. Every figure behind these choices: benchmarks/PERFORMANCE.md,
+design measurements.
 
 [Note: BatchNorm and micro-batches]
 A BatchNorm layer in training mode normalises with the statistics of the batch it sees;
@@ -53,10 +49,9 @@ no micro-batch can pass the layer, either way, before all have reached it, and a
 holding one cannot overlap with its neighbours. ``batchnorm="micro"`` pipelines the M
 micro-batches as GPipe does: each is normalised with its own statistics and updates the
 running statistics (M updates per batch). Committing whole-batch running statistics
-once per batch instead (torchgpipe's deferred batch norm) was measured and dropped: on
-the Unet example (4-sample micro-batches) the held-out Dice after epoch 1 fell from 0.90
-to 0.18, as the whole-batch variance is not the micro-batch variance the layers were
-trained with.
+once per batch instead (torchgpipe's deferred batch norm) was measured and dropped: the
+whole-batch variance is not the micro-batch variance the layers were trained with, and
+the held-out Dice collapsed (figures: benchmarks/PERFORMANCE.md, design measurements).
 """
 from __future__ import annotations
 

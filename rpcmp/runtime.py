@@ -43,12 +43,10 @@ def _one_malloc_arena() -> None:
     gradients, the compute thread runs forwards, autograd threads run backwards and
     recomputations. glibc gives each thread its own arena and keeps every arena's peak,
     so a process's resident memory is the sum of the threads' high-water marks. One
-    arena lets them reuse each other's freed memory: on the split Unet (batch 16 of
-    256x256, M = 4, recompute) the largest stage process peaked at 1530-1560 MiB instead
-    of 1863 MiB, at the same step time (1.62 vs 1.58 s, within this machine's noise).
-    Under torchrun, where only ``mallopt`` from here can set it, the same run peaked at
-    1535 MiB, and at 1648 MiB with ``MALLOC_ARENA_MAX=1`` exported before torchrun: the
-    threads that allocate the activations all start after this call.
+    arena lets them reuse each other's freed memory, at the same step time. Under torchrun
+    only ``mallopt`` from here can set it, and it does as well as ``MALLOC_ARENA_MAX=1``
+    exported before torchrun: the threads that allocate the activations all start after
+    this call (figures: benchmarks/PERFORMANCE.md, design measurements).
     """
     if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
         return

@@ -12,8 +12,8 @@ same hops: stage to stage, never via the master. ``_forward`` is an
 free at once, errors travel back to the master, and stage k works on micro-batch
 m + 1 while stage k + 1 works on m (GPipe fill and drain). The master does not wait for
 those answers to come back down the chain: a micro-batch is done when its output
-arrives (:func:`rpcmp.inbox.send`), which saves a one-way trip per stage (3 identity stages on
-the uv transport: 1.46-1.54 instead of 1.56-1.61 ms per hop, forward and backward).
+arrives (:func:`rpcmp.inbox.send`), which saves a one-way trip per stage
+(figures: benchmarks/PERFORMANCE.md, design measurements).
 
 Micro-batches are numbered by the master (``seq``); a stage runs them strictly in that
 order (:class:`rpcmp.admission.InOrder`).
@@ -26,8 +26,8 @@ backward engine runs the highest numbers first; with one thread per stage, micro
 m + 1's nodes all outnumber m's, so backward finishes one micro-batch at a time and
 sends its gradient upstream at once. Run from whichever RPC thread was free, the
 micro-batches' nodes interleave, the engine works on all of them together, and the
-upstream stage sits idle until the last one is done (measured: 141 ms instead of
-~75 ms for the backward of a 2-stage MLP at M = 4).
+upstream stage sits idle until the last one is done (about twice the backward time,
+figures: benchmarks/PERFORMANCE.md, design measurements).
 
 Activation checkpointing (``Job(recompute=True)``): see [Note: recompute] in
 :mod:`rpcmp.recompute`.

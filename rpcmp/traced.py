@@ -140,13 +140,10 @@ class _Route:
     feature is read by the middle stage (layer3: two terms) and by the decoder (one more);
     sent straight to the decoder, its three terms were summed as (c + d) + b instead of
     (b + c) + d, float32-equal but not bit-equal, and three Adam steps made that 3e-5 in the
-    loss. Measured on the bench's Unet cut there (``benchmarks/ab_trees.py --job unet_cut``,
-    resnet34 Unet, batch 16 of 1x128x128, 3 alternating launches each, one machine): every
-    skip value through the stages between, 1008 ms a step, every one straight to its reader
-    986 ms; this rule against the first, 973 vs 972.5 ms. Over loopback the route does not
-    show in step time; what crosses the middle stage's links does: 2.85 MiB a sample each
-    way through it, 0.35 MiB with this rule (the encoder's two largest feature maps, which
-    the middle stage does not read, go straight), which on a network is the difference.
+    loss. On one machine the route does not show in step time; what crosses the middle
+    stage's links does, about eight times less with this rule (the encoder's two largest
+    feature maps, which the middle stage does not read, go straight), which on a network
+    is the difference (figures: benchmarks/PERFORMANCE.md, design measurements).
 
     A routed stage is called with ``x`` (the chain value), or ``(x, mail)`` when it reads
     mail, and returns its chain value, or ``(value, {stage: {name: tensor}})`` when it posts.
