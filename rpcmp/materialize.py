@@ -30,6 +30,7 @@ step 1 fails on the meta device (construction code that reads a tensor's value, 
 """
 from __future__ import annotations
 
+import gc
 import threading
 from typing import Callable
 
@@ -157,7 +158,9 @@ def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
     with _Hooks(place):
         model = _construct(job)
     scratch.release()
-    return _to_meta(model, scratch)
+    model = _to_meta(model, scratch)
+    gc.collect()  # scratch views the construction left in reference cycles: their buffer goes now, not later
+    return model
 
 
 class _Scratch:

@@ -28,7 +28,8 @@ import torch.utils._pytree as pytree
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
 from .materialize import build_part, build_whole, meta_model, set_tensor, tensor_names
-from .traced import SplitAt, check_any_batch_size, example_of, from_example, stage_module, trace_split
+from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, stage_module,
+                     trace_split)
 from .errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
@@ -186,14 +187,17 @@ def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
 def _build_traced(job, spec: StageSpec, meta: bool = False) -> nn.Module:
     """Trace the model on the meta device as the master did, then give this stage, and only it,
     the unsplit model's values."""
-    stage = stage_module(trace_split(meta_model(job), job.stages, from_example(spec.example, "meta")), spec.index)
+    example = from_example(spec.example, "meta")
+    stage = stage_module(trace_split(meta_model(job), job.stages, example), spec.index)
+    evaluated = attach_eval(stage, trace_split(meta_model(job).eval(), job.stages, example), spec.index)
     if meta:
         return stage
-    mine = {n for names in tensor_names(stage).values() for n in names}
-    model = build_part(job, mine.__contains__)
+    names = {m: {n for names in tensor_names(m).values() for n in names} for m in (stage, evaluated)}
+    model = build_part(job, (names[stage] | names[evaluated]).__contains__)
     values = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
-    for name in mine:
-        set_tensor(stage, name, values[name])
+    for module, mine in names.items():  # one set of tensors for both graphs
+        for name in mine:
+            set_tensor(module, name, values[name])
     return stage
 
 
@@ -215,6 +219,9 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
         raise PartitionError(f"SplitAt: the traced stages hold other state than {type(model).__name__} "
                              f"({sorted(keys ^ set(model.state_dict()))[:5]}...); declare the stages another way")
     check_any_batch_size(pipe, example)
+    evaluated = trace_split(meta_model(job).eval(), job.stages, example)  # see [Note: a traced stage in eval mode]
+    check_same_cut(pipe, evaluated)
+    check_any_batch_size(evaluated, example)
     bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",

@@ -17,6 +17,17 @@ materializes only its part] in :mod:`rpcmp.materialize`). Tracing needs a batch:
 data, or ``Pipeline(sample=...)``. What ``torch.export`` cannot trace (data-dependent control
 flow) is refused with its message and the way out.
 
+[Note: a traced stage in eval mode]
+``torch.export`` records the graph of the mode the model is in: traced in train mode, a
+BatchNorm layer normalises with batch statistics and updates its running ones, and
+dropout drops, whatever ``.eval()`` says later, so held-out evaluation and ``rpcmp
+predict`` would run the training graph (measured on MobileNetV3, DenseNet, RegNet and
+the smp FPN / DeepLabV3+ cut with SplitAt: eval outputs off by 0.04-5 and running
+statistics changed by evaluation). So the model is traced twice, in train and in eval
+mode; each stage holds both graphs over the same parameters and buffers and runs the
+one of its mode (:func:`attach_eval`). Both must cut the model alike
+(:func:`check_same_cut`).
+
 [Note: any batch size]
 A stage runs micro-batches, a smaller last micro-batch, whole batches (BatchNorm) and
 evaluation batches, but ``pipeline()`` exports with the shapes of the one micro-batch it is
@@ -40,7 +51,8 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "run_stages", "check_any_batch_size", "example_of", "from_example"]
+__all__ = ["SplitAt", "trace_split", "stage_module", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
+           "example_of", "from_example"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +88,18 @@ def from_example(example: tuple, device: str = "cpu") -> Any:
 
 def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``
-    with a dynamic batch size where the model allows it (see [Note: any batch size])."""
+    with a dynamic batch size where the model allows it (see [Note: a traced stage in eval mode]
+``torch.export`` records the graph of the mode the model is in: traced in train mode, a
+BatchNorm layer normalises with batch statistics and updates its running ones, and
+dropout drops, whatever ``.eval()`` says later, so held-out evaluation and ``rpcmp
+predict`` would run the training graph (measured on MobileNetV3, DenseNet, RegNet and
+the smp FPN / DeepLabV3+ cut with SplitAt: eval outputs off by 0.04-5 and running
+statistics changed by evaluation). So the model is traced twice, in train and in eval
+mode; each stage holds both graphs over the same parameters and buffers and runs the
+one of its mode (:func:`attach_eval`). Both must cut the model alike
+(:func:`check_same_cut`).
+
+[Note: any batch size])."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     from torch.distributed.pipelining._IR import Pipe
     names = {n for n, _ in model.named_modules() if n}
@@ -110,7 +133,18 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
 @contextlib.contextmanager
 def _dynamic_batch(pipe_cls):
     """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
-    input dynamic instead (see [Note: any batch size])."""
+    input dynamic instead (see [Note: a traced stage in eval mode]
+``torch.export`` records the graph of the mode the model is in: traced in train mode, a
+BatchNorm layer normalises with batch statistics and updates its running ones, and
+dropout drops, whatever ``.eval()`` says later, so held-out evaluation and ``rpcmp
+predict`` would run the training graph (measured on MobileNetV3, DenseNet, RegNet and
+the smp FPN / DeepLabV3+ cut with SplitAt: eval outputs off by 0.04-5 and running
+statistics changed by evaluation). So the model is traced twice, in train and in eval
+mode; each stage holds both graphs over the same parameters and buffers and runs the
+one of its mode (:func:`attach_eval`). Both must cut the model alike
+(:func:`check_same_cut`).
+
+[Note: any batch size])."""
     plain = pipe_cls.__dict__["_trace_with_export"]
 
     def trace(mod, example_args, example_kwargs=None):
@@ -151,6 +185,7 @@ class _Route:
 
     def __init__(self, forward, route: dict, first: bool, last: bool, sizes: set[str]):
         self.forward, self.first, self.last, self.sizes = forward, first, last, sizes
+        self.module, self.eval_forward = None, None  # see [Note: a traced stage in eval mode]
         self.chain_in, self.mail_in, self.args = route["chain_in"], route["mail_in"], route["args"]
         self.produced, self.chain_out, self.posts = route["produced"], route["chain_out"], route["posts"]
 
@@ -163,7 +198,8 @@ class _Route:
         else:  # what the stage before passed on: a tuple of values, or the one value
             given = x if len(self.chain_in) != 1 else (x,)
         values = {**dict(zip(self.chain_in, given)), **mail}
-        out = self.forward(*(int(values[a]) if a in self.sizes else values[a] for a in self.args))
+        forward = self.forward if self.module is None or self.module.training else self.eval_forward
+        out = forward(*(int(values[a]) if a in self.sizes else values[a] for a in self.args))
         for name, index in self.produced.items():
             values[name] = out if index is None else out[index]
         out = tuple(_wire(values[n]) for n in self.chain_out)
@@ -266,11 +302,53 @@ def check_any_batch_size(pipe, example: Any) -> None:
 def stage_module(pipe, index: int) -> nn.Module:
     """Stage ``index`` of the traced ``pipe``, callable with one argument as every rpcmp stage is
     (see :class:`_Route`)."""
+    module = _graph_module(pipe, index)
+    module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe))
+    return module
+
+
+def _graph_module(pipe, index: int) -> nn.Module:
     module = pipe.get_stage_module(index)
     if isinstance(module.graph._codegen, torch.fx.graph._PyTreeCodeGen):
         # The first stage's graph unpacks the model's whole input and fails when a leaf (a dict's entry)
         # is used by a later stage only: it takes the leaves it uses, as the split graph passes them.
         module.graph._codegen = torch.fx.graph.CodeGen()
         module.recompile()
-    module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe))
     return module
+
+
+def attach_eval(stage: nn.Module, eval_pipe, index: int) -> nn.Module:
+    """Give traced ``stage`` the graph of the model traced in eval mode, run when ``stage.eval()``;
+    returns that graph's module, whose tensors the caller makes the stage's own (see [Note: a
+    traced stage in eval mode])."""
+    evaluated = _graph_module(eval_pipe, index)
+    stage.forward.module, stage.forward.eval_forward = stage, evaluated.forward
+    return evaluated
+
+
+def check_same_cut(train_pipe, eval_pipe) -> None:
+    """Refuse a model whose graphs in train and eval mode are cut differently (the stages would hand
+    each other other values in evaluation than in training)."""
+    if _signature(train_pipe) != _signature(eval_pipe):
+        raise PartitionError("SplitAt: the model traced in eval mode passes other values between the cuts than in "
+                             "train mode (its forward branches on self.training across a cut): move the cut, or "
+                             "declare the stages as modules")
+
+
+def _signature(pipe) -> tuple:
+    """Where every stage's inputs and the model's outputs come from (stage, output index), by position."""
+    graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+
+    def source(node) -> tuple:
+        if node in inputs:
+            return ("input", inputs.index(node))
+        if node in calls:
+            return (calls.index(node), None)
+        if node.op == "call_function" and node.args and node.args[0] in calls:
+            return (calls.index(node.args[0]), node.args[1])
+        return ("?", node.op)
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    return (tuple(tuple(source(a) for a in c.args) for c in calls),
+            tuple(source(a) for a in pytree.tree_leaves(out_node.args) if hasattr(a, "op")))

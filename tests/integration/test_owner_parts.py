@@ -14,7 +14,8 @@ from rpcmp.trainer import fit
 pytestmark = pytest.mark.integration
 
 # Evaluated on each process over RPC: the parameters alive there that hold memory (not meta ones).
-LIVE = ("sum(p.numel() for p in __import__('gc').get_objects() "
+# gc.collect() first: get_objects() also lists unreachable objects not collected yet.
+LIVE = ("__import__('gc').collect() * 0 + sum(p.numel() for p in __import__('gc').get_objects() "
         "if isinstance(p, __import__('torch').nn.Parameter) and p.device.type != 'meta')")
 
 

@@ -131,3 +131,28 @@ def test_several_inputs_and_outputs_travel_through_the_cut():
     model = TwoHeads()
     x = {"image": torch.randn(5, 8), "meta": torch.randn(5, 3)}
     torch.testing.assert_close(run_stages(stages, x), model(x))
+
+
+@pytest.mark.parametrize("family", ["mobilenet_v3_small"])
+def test_a_traced_stage_in_eval_mode_runs_the_eval_graph(family):
+    """Traced in train mode, BatchNorm would keep normalising with batch statistics (and updating the
+    running ones) after .eval(): see [Note: a traced stage in eval mode]. Each stage switches graphs."""
+    kwargs = {"dropout": 0.0} if family == "mobilenet_v3_small" else {}  # train mode compared too: no random masks
+    factory = lambda: getattr(torchvision.models, family)(num_classes=10, **kwargs)  # noqa: E731
+    points = {"mobilenet_v3_small": ("features.4", "features.9"),
+              "densenet121": ("features.denseblock2", "features.denseblock4")}[family]
+    job = rpcmp.Job(model=factory, stages=rpcmp.SplitAt(*points), microbatches=2)
+    x = torch.randn(4, 3, 64, 64)
+    stages = [build_stage(job, s) for s in plan_stages(job, x)]
+    torch.manual_seed(job.seed)
+    model = factory()
+    with torch.no_grad():
+        for stage in stages:
+            stage.eval()
+        torch.testing.assert_close(run_stages(stages, x[:3]), model.eval()(x[:3]))
+        before = {k: v.clone() for s in stages for k, v in s.state_dict().items()}
+        run_stages(stages, x)
+        assert all(torch.equal(v, before[k]) for s in stages for k, v in s.state_dict().items())  # no statistics moved
+        for stage in stages:
+            stage.train()
+        torch.testing.assert_close(run_stages(stages, x), model.train()(x))  # and back to the training graph
