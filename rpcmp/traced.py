@@ -21,9 +21,8 @@ flow) is refused with its message and the way out.
 ``torch.export`` records the graph of the mode the model is in: traced in train mode, a
 BatchNorm layer normalises with batch statistics and updates its running ones, and
 dropout drops, whatever ``.eval()`` says later, so held-out evaluation and ``rpcmp
-predict`` would run the training graph (measured on MobileNetV3, DenseNet, RegNet and
-the smp FPN / DeepLabV3+ cut with SplitAt: eval outputs off by 0.04-5 and running
-statistics changed by evaluation). So the model is traced twice, in train and in eval
+predict`` would run the training graph: other outputs, and running statistics that
+evaluation changes (figures: benchmarks/PERFORMANCE.md, design measurements). So the model is traced twice, in train and in eval
 mode; each stage holds both graphs over the same parameters and buffers and runs the
 one of its mode (:func:`attach_eval`). Both must cut the model alike
 (:func:`check_same_cut`).
@@ -88,18 +87,7 @@ def from_example(example: tuple, device: str = "cpu") -> Any:
 
 def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``
-    with a dynamic batch size where the model allows it (see [Note: a traced stage in eval mode]
-``torch.export`` records the graph of the mode the model is in: traced in train mode, a
-BatchNorm layer normalises with batch statistics and updates its running ones, and
-dropout drops, whatever ``.eval()`` says later, so held-out evaluation and ``rpcmp
-predict`` would run the training graph (measured on MobileNetV3, DenseNet, RegNet and
-the smp FPN / DeepLabV3+ cut with SplitAt: eval outputs off by 0.04-5 and running
-statistics changed by evaluation). So the model is traced twice, in train and in eval
-mode; each stage holds both graphs over the same parameters and buffers and runs the
-one of its mode (:func:`attach_eval`). Both must cut the model alike
-(:func:`check_same_cut`).
-
-[Note: any batch size])."""
+    with a dynamic batch size where the model allows it (see [Note: any batch size])."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     from torch.distributed.pipelining._IR import Pipe
     names = {n for n, _ in model.named_modules() if n}
@@ -133,18 +121,7 @@ one of its mode (:func:`attach_eval`). Both must cut the model alike
 @contextlib.contextmanager
 def _dynamic_batch(pipe_cls):
     """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
-    input dynamic instead (see [Note: a traced stage in eval mode]
-``torch.export`` records the graph of the mode the model is in: traced in train mode, a
-BatchNorm layer normalises with batch statistics and updates its running ones, and
-dropout drops, whatever ``.eval()`` says later, so held-out evaluation and ``rpcmp
-predict`` would run the training graph (measured on MobileNetV3, DenseNet, RegNet and
-the smp FPN / DeepLabV3+ cut with SplitAt: eval outputs off by 0.04-5 and running
-statistics changed by evaluation). So the model is traced twice, in train and in eval
-mode; each stage holds both graphs over the same parameters and buffers and runs the
-one of its mode (:func:`attach_eval`). Both must cut the model alike
-(:func:`check_same_cut`).
-
-[Note: any batch size])."""
+    input dynamic instead (see [Note: any batch size])."""
     plain = pipe_cls.__dict__["_trace_with_export"]
 
     def trace(mod, example_args, example_kwargs=None):
