@@ -27,11 +27,10 @@ __all__ = ["run_step"]
 
 def run_step(pipe, schedule: str, x: Any, y: Any, chunks: int) -> torch.Tensor:
     """One optimizer step of ``pipe`` on batch ``(x, y)`` in ``chunks`` micro-batches; the loss."""
-    xs = scatter(x, chunks)  # a batch smaller than ``chunks`` gives fewer micro-batches
-    plan = make_plan(schedule, len(xs), len(pipe.specs))
+    plan = make_plan(schedule, chunks, len(pipe.specs))  # scatter refuses a batch of fewer than ``chunks`` samples
     if plan.context == "step":
-        return _step_in_one_context(pipe, x, y, plan)
-    return _MicroBatches(pipe, plan, xs, x, y).run()
+        return _step_in_one_context(pipe, x, y, plan)  # Pipeline.forward scatters
+    return _MicroBatches(pipe, plan, x, y).run()
 
 
 def _step_in_one_context(pipe, x: Any, y: Any, plan: Plan) -> torch.Tensor:
@@ -48,9 +47,9 @@ def _step_in_one_context(pipe, x: Any, y: Any, plan: Plan) -> torch.Tensor:
 class _MicroBatches:
     """A step of a plan with one distributed-autograd context per micro-batch."""
 
-    def __init__(self, pipe, plan: Plan, xs: list, x: Any, y: Any):
+    def __init__(self, pipe, plan: Plan, x: Any, y: Any):
         m = plan.microbatches
-        self.pipe, self.plan, self.xs, self.y, self.n = pipe, plan, xs, y, batch_size(x)
+        self.pipe, self.plan, self.xs, self.y, self.n = pipe, plan, scatter(x, m), y, batch_size(x)
         self.ys = scatter(y, m) if has_tensors(y) else [y] * m
         self.seqs = pipe._next_seqs(m)
         self.ctx_ids, self.losses, self.errors = [0] * m, [None] * m, []

@@ -62,12 +62,20 @@ def gather(parts: list[Any]) -> Any:
 
 def check_tensors(value: Any, where: str) -> None:
     """Raise a clear error unless ``value`` is a tensor or nested list/tuple/dict of tensors."""
-    for path, leaf in pytree.tree_flatten_with_path(value)[0]:
+    # None counts as a leaf (pytree would skip it): a stage that forgot to ``return`` is caught here.
+    # Per micro-batch, so the key paths are only computed once something is not a tensor.
+    if all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value, is_leaf=_none)):
+        return
+    for path, leaf in pytree.tree_flatten_with_path(value, is_leaf=_none)[0]:
         if not isinstance(leaf, torch.Tensor):
             raise StageOutputError(
                 f"{where}{pytree.keystr(path)} is a {type(leaf).__name__}; a stage must return a tensor or a nested "
                 f"list/tuple/dict of tensors: return tensors only (turn numbers into tensors)"
             )
+
+
+def _none(x: Any) -> bool:
+    return x is None
 
 
 def tensors(batch: Any):

@@ -45,7 +45,7 @@ def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: i
     try:
         with health.explained(pipe.explain):
             check_model_keys(ckpt, pipe.state_meta(), f"the model of {job.source}")
-            pipe.load_files(ckpt["files"])  # each owner reads its own keys
+            pipe.load_files(ckpt["files"], optimizer=False)  # each owner reads its own keys, weights only
             pipe.eval()
             result = {"checkpoint": ckpt["path"], **write_predictions(job, pipe.predict, out_dir, images)}
     except BaseException:

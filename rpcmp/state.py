@@ -38,11 +38,11 @@ class PipelineState:
         return {k: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
                 for part in self._each(_state_meta) for k, (shape, dtype) in part.items()}
 
-    def load_files(self, files: list[str]) -> None:
+    def load_files(self, files: list[str], optimizer: bool = True) -> None:
         """Each owner reads its own stages' keys, and their optimizer state, from checkpoint
         ``files`` (memory-mapped; see [Note: a checkpoint nobody holds whole]): nothing whole
         travels, whatever split wrote them."""
-        optims = {r.owner().name: r for r in self._remote_optimizers}
+        optims = {r.owner().name: r for r in self._remote_optimizers} if optimizer else {}
         wait_all([rpc.rpc_async(p.process, _load_files, args=(self.pid, i, optims.get(p.process), files))
                   for i, p in enumerate(self.places)])
 

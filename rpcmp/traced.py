@@ -204,27 +204,35 @@ def run_stages(stages: list[nn.Module], x: Any) -> Any:
     return x
 
 
-def _routes(pipe) -> list[dict]:
-    """What each stage receives, computes and sends, read from the split graph (see _Route)."""
+def _split_graph(pipe) -> tuple[list, dict[str, tuple], list[str]]:
+    """The split graph read once: its stage calls, where every value comes from (name ->
+    (stage, index in its output, None for the whole output, or ("input", k) for the model's
+    k-th input, made available at stage 0)) and the names of the model's outputs."""
     graph = pipe.split_gm.graph
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
-    source = {n.name: (0, "input") for n in graph.nodes if n.op == "placeholder"}  # name -> (stage, index)
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    source = {n.name: (0, ("input", k)) for k, n in enumerate(inputs)}
     for n in graph.nodes:
         if n.op == "call_function" and n.args and n.args[0] in calls:
             source[n.name] = (calls.index(n.args[0]), n.args[1])
     for i, c in enumerate(calls):
         if any(u.op != "call_function" for u in c.users):  # the output used whole
             source[c.name] = (i, None)
-    last = len(calls) - 1
     out_node = next(n for n in graph.nodes if n.op == "output")
-    final = [a.name for a in pytree.tree_leaves(out_node.args) if hasattr(a, "name")]
+    return calls, source, [a.name for a in pytree.tree_leaves(out_node.args) if hasattr(a, "name")]
+
+
+def _routes(pipe) -> list[dict]:
+    """What each stage receives, computes and sends, read from the split graph (see _Route)."""
+    calls, source, final = _split_graph(pipe)
+    last = len(calls) - 1
     readers: dict[str, set[int]] = {}
     for i, c in enumerate(calls):
         for a in c.args:
             readers.setdefault(a.name, set()).add(i)
     for name in final:
         readers.setdefault(name, set()).add(last)
-    inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+    inputs = [n for n, (_, idx) in source.items() if isinstance(idx, tuple)]
     chained = {n for n, (stage, _) in source.items() if stage + 1 in readers.get(n, ())}
     routes = []
     for i, c in enumerate(calls):
@@ -234,7 +242,7 @@ def _routes(pipe) -> list[dict]:
         routes.append({
             "chain_in": chain_in,
             "args": [a.name for a in c.args],
-            "produced": {n: idx for n, (stage, idx) in source.items() if stage == i and idx != "input"},
+            "produced": {n: idx for n, (stage, idx) in source.items() if stage == i and not isinstance(idx, tuple)},
             "chain_out": final if i == last else [n for n in available if n in chained and max(readers[n]) > i],
             "posts": {j: names for j in range(i + 2, len(calls))
                       if (names := [n for n in here if n not in chained and j in readers.get(n, ())])},
@@ -313,19 +321,8 @@ def check_same_cut(train_pipe, eval_pipe) -> None:
 
 
 def _signature(pipe) -> tuple:
-    """Where every stage's inputs and the model's outputs come from (stage, output index), by position."""
-    graph = pipe.split_gm.graph
-    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
-    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    """Where every stage's inputs and the model's outputs come from, by position, not by name."""
+    calls, source, final = _split_graph(pipe)
+    return (tuple(tuple(source.get(a.name, ("?",)) for a in c.args) for c in calls),
+            tuple(source.get(name, ("?",)) for name in final))
 
-    def source(node) -> tuple:
-        if node in inputs:
-            return ("input", inputs.index(node))
-        if node in calls:
-            return (calls.index(node), None)
-        if node.op == "call_function" and node.args and node.args[0] in calls:
-            return (calls.index(node.args[0]), node.args[1])
-        return ("?", node.op)
-    out_node = next(n for n in graph.nodes if n.op == "output")
-    return (tuple(tuple(source(a) for a in c.args) for c in calls),
-            tuple(source(a) for a in pytree.tree_leaves(out_node.args) if hasattr(a, "op")))

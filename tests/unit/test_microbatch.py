@@ -43,3 +43,15 @@ def test_check_tensors_names_the_bad_leaf():
     check_tensors([torch.zeros(1), {"a": torch.zeros(1)}], "out")
     with pytest.raises(StageOutputError, match=r"out\[1\]\['a'\] is a float"):
         check_tensors([torch.zeros(1), {"a": 1.0}], "out")
+
+
+def test_a_stage_output_with_none_is_refused_where_it_is():
+    """A stage that forgot to ``return`` (None), or returned None inside a structure, is named."""
+    import pytest
+    from rpcmp.errors import StageOutputError
+    from rpcmp.microbatch import check_tensors
+    with pytest.raises(StageOutputError, match=r"the output of stage 1 is a NoneType"):
+        check_tensors(None, "the output of stage 1")
+    with pytest.raises(StageOutputError, match=r"the output of stage 1\[1\]\['mask'\] is a NoneType"):
+        check_tensors((torch.ones(1), {"mask": None}), "the output of stage 1")
+    check_tensors((torch.ones(1), {"mask": torch.ones(1)}), "the output of stage 1")
