@@ -30,6 +30,7 @@ def job_options(fn):
         click.option("--threads", type=int, help="Intra-op threads per process (default: cores / processes)."),
         click.option("--transport", type=click.Choice(["uv", "shm"]), help="TensorPipe transport (default uv)."),
         click.option("--mode", type=click.Choice(["pipeline", "ddp"]), help="Stages over processes, or DDP."),
+        click.option("--replicas", type=int, help="Pipeline mode: copies of the pipeline, data parallel (Job.replicas)."),
         click.option("--accumulate", type=int, help="Batches per optimizer step (gradient accumulation)."),
         click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="Autocast dtype (fp16 adds loss scaling)."),
         click.option("--sync-batchnorm", is_flag=True, default=None, help="DDP mode: SyncBatchNorm."),
@@ -58,7 +59,7 @@ def job_options(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
-                "mode", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
+                "mode", "replicas", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
                 "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "metrics_file", "trace_file")
         for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
             value = kw.pop(opt, None)

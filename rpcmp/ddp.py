@@ -26,7 +26,8 @@ from .checkpoint import read_state_file
 from .materialize import build_whole
 from .errors import JobError, RunAbortedError
 from .errors import WorkerLostError
-from .health import describe
+from .served import current
+from .stage_state import rng_state as process_rng_state, set_rng_state as set_process_rng_state
 from .hparams import load_scheduler_state, scheduler_state
 from .microbatch import batch_size, to_device
 from .policy import NonFinite
@@ -35,7 +36,6 @@ from .data import data_loader, step_groups
 __all__ = ["DDPEngine", "init_ddp", "join", "leave"]
 
 _MIN_COLLECTIVE_S = 60.0  # a collective may take this long, whatever Job.hang_timeout says
-_RANK: dict = {}  # this process's device and heartbeats while it is a DDP rank (see join)
 
 
 def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.device:
@@ -57,19 +57,20 @@ def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.devic
 def join(rank: int, world_size: int, hang_timeout: float = 0) -> None:
     """Make this process DDP rank ``rank``: process group, device, heartbeats to its peers."""
     from .health import Heartbeats
-    _RANK["device"] = init_ddp(rank, world_size, hang_timeout)
+    served = current()
+    served.device = init_ddp(rank, world_size, hang_timeout)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=30))
-    beats = _RANK["heartbeats"] = Heartbeats(rank, world_size, hang_timeout, store)
+    beats = served.heartbeats = Heartbeats(rank, world_size, hang_timeout, store, served.status)
     beats._beat()
     beats.start()
 
 
 def leave() -> None:
-    beats = _RANK.pop("heartbeats", None)
-    if beats is not None:
-        beats.stop()
-    _RANK.clear()
+    served = current()
+    if served.heartbeats is not None:
+        served.heartbeats.stop()
+    served.heartbeats = served.device = None
     dist.destroy_process_group()
 
 
@@ -80,7 +81,9 @@ class DDPEngine:
 
     def __init__(self, job, device: torch.device | None = None):
         self.job, self.rank, self.world = job, dist.get_rank(), dist.get_world_size()
-        self.device = device or _RANK.get("device") or torch.device("cpu")
+        self.served = current()
+        self.status = self.served.status
+        self.device = device or self.served.device or torch.device("cpu")
         if job.batch_size % self.world:
             raise JobError(f"DDP mode splits Job.batch_size ({job.batch_size}) over {self.world} ranks: "
                            f"make batch_size a multiple of {self.world}")
@@ -203,17 +206,15 @@ class DDPEngine:
 
     def rng_state(self) -> dict[str, Any]:
         """Every rank's RNG state (called on every rank: a collective)."""
-        from .state import _rng_state
         states = [None] * self.world
-        dist.all_gather_object(states, _rng_state())
+        dist.all_gather_object(states, process_rng_state())
         return {"processes": {f"rank{r}": s for r, s in enumerate(states)}, "stages": {"ddp": [str(self.world)]}}
 
     def load_rng_state(self, saved: dict[str, Any] | None) -> bool:
         """Restore this rank's RNG if the checkpoint came from as many DDP ranks."""
-        from .state import _set_rng_state
         if not saved or saved.get("stages") != {"ddp": [str(self.world)]}:
             return False
-        _set_rng_state(saved["processes"][f"rank{self.rank}"])
+        set_process_rng_state(saved["processes"][f"rank{self.rank}"])
         return True
 
     def step_metrics(self) -> dict:
@@ -247,7 +248,7 @@ class DDPEngine:
                 f"{self.local_batch} samples per rank, accumulate {self.job.accumulate}, {self.job.precision}")
 
     def explain(self, exc: BaseException) -> BaseException:
-        beats = _RANK.get("heartbeats")
+        beats = self.served.heartbeats
         return beats.explain(exc) if beats is not None else exc
 
     def barrier(self) -> None:
@@ -263,7 +264,7 @@ class DDPEngine:
     # for hang_timeout (300 s if unset).
     @contextlib.contextmanager
     def saving(self, step: int):
-        beats = _RANK.get("heartbeats")
+        beats = self.served.heartbeats
         key = f"rpcmp/saved/{step}"
         if self.is_main:
             ok = False
@@ -279,7 +280,7 @@ class DDPEngine:
             return
         while not beats.store.check([key]):
             if beats.silent(self.job.hang_timeout or 300.0, ranks=[0]):
-                raise WorkerLostError(describe(["master"], "stopped answering while writing a checkpoint"))
+                raise WorkerLostError(self.status.describe(["master"], "stopped answering while writing a checkpoint"))
             time.sleep(0.05)
         if beats.store.get(key) != b"ok":
             raise RunAbortedError(f"rank {self.rank}: rank 0 failed to write the checkpoint of step {step} (its log says why)")

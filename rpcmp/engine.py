@@ -14,6 +14,8 @@ from .checkpoint import latest_checkpoint, load_checkpoint
 from .data import data_loader, epoch_batches, step_groups
 from .microbatch import batch_size, gather
 from .pipeline import Pipeline
+from .replicas import Replicated
+from .served import RunStatus
 
 __all__ = ["Engine", "PipelineEngine", "make_engine", "evaluate"]
 
@@ -25,6 +27,7 @@ class Engine(Protocol):
     is_main: bool  # the process that prints, logs and writes the index
     loss_scale: float | None  # fp16 loss scaling (None without), checkpointed
     scheduler: Any
+    status: RunStatus  # what the run is doing, for failure messages (the trainer sets step and checkpoint)
 
     def steps_per_epoch(self, n: int) -> int: ...
     def epoch_loader(self, dataset, epoch: int, first_batch: int): ...
@@ -51,6 +54,8 @@ def make_engine(job, world_size: int, train_set=None) -> Engine:
     if job.mode == "ddp":
         from .ddp import DDPEngine
         return DDPEngine(job)
+    if job.replicas > 1:
+        return PipelineEngine(Replicated(job, world_size, Pipeline), job)
     return PipelineEngine(Pipeline(job, world_size), job)
 
 
@@ -62,6 +67,7 @@ class PipelineEngine:
 
     def __init__(self, pipe: Pipeline, job):
         self.pipe, self.job = pipe, job
+        self.status = pipe.status
 
     def steps_per_epoch(self, n: int) -> int:
         return n // self.job.batch_size // self.job.accumulate

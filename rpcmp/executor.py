@@ -17,7 +17,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from . import inbox
-from . import stage as _stage
+from . import stage
 from .futures import wait_all
 from .microbatch import batch_size, has_tensors, map_tensors, scatter
 from .schedule import Plan, make_plan
@@ -38,9 +38,7 @@ def _step_in_one_context(pipe, x: Any, y: Any, plan: Plan) -> torch.Tensor:
         out = pipe.forward(x, grad=True, chunks=plan.microbatches)
         loss = pipe.job.loss(out, y)
         pipe._backward(ctx, loss)
-        if pipe.optimizer is not None and pipe._finite(loss) and pipe._unscale_and_clip(ctx):
-            pipe.optimizer.step(ctx)
-            pipe._schedule_lr()
+        pipe._apply_step(ctx, loss)
     return loss.detach()
 
 
@@ -65,10 +63,7 @@ class _MicroBatches:
         futs = [pipe._micro_threads(len(self.xs)).submit(self._micro, i) for i in range(len(self.xs))]
         try:
             self.backward_done.wait()
-            if pipe.optimizer is not None and pipe._finite(torch.stack(self.losses).sum()):
-                if pipe._unscale_and_clip(self.ctx_ids[0]):
-                    pipe.optimizer.step(self.ctx_ids[0])
-                    pipe._schedule_lr()
+            pipe._apply_step(self.ctx_ids[0], torch.stack(self.losses).sum())
         except threading.BrokenBarrierError:
             pass
         finally:
@@ -123,6 +118,6 @@ class _MicroBatches:
             self.merged[self.before[i]].wait()
             if pipe.optimizer is not None and not self.errors:
                 target = self.ctx_ids[self.into[i]]
-                wait_all([rpc.rpc_async(o, _stage._merge_grads, args=(pipe.pid, target, self.ctx_ids[i]))
+                wait_all([rpc.rpc_async(o, stage.merge_grads, args=(pipe.pid, target, self.ctx_ids[i]))
                           for o in pipe._param_owners])
         self.merged[i].set()

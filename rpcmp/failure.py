@@ -5,7 +5,7 @@ An exception raised inside an RPC function is printed by ``torch.distributed.rpc
 process that raised it and re-raised on the caller as text (``On WorkerInfo(...):
 StageError('...')`` and the RPC traceback), each hop wrapping it once more: one failing
 micro-batch gave the user 157 lines with the traceback three times. So a stage that fails
-returns a :class:`Failure` instead of raising: the chain of ``_forward`` futures hands it
+returns a :class:`Failure` instead of raising: the chain of ``rpcmp.stage.forward`` futures hands it
 back to the master as a result, typed, and the master raises one error with a one-line
 message, the stage's own frames (``details``) and every frame (``full_traceback``, shown
 by ``--debug``). Its type is the one raised on the owner when that is an rpcmp error (a

@@ -19,12 +19,9 @@ import time
 import torch.distributed.rpc as rpc
 
 from .errors import StageError, WorkerLostError
+from .served import RunStatus
 
-__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "status"]
-
-# What the master is doing, for the messages: set by Pipeline, the trainer and prediction
-# ("task": what the run does if it is not training).
-status: dict = {"step": 0, "checkpoint": None, "stages": {}, "task": None}
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained"]
 
 
 def _ping() -> int:
@@ -42,21 +39,11 @@ def unresponsive(processes, timeout: float) -> list[str]:
     return bad
 
 
-def describe(lost: list[str], how: str) -> str:
-    who = ", ".join(f"{p} ({', '.join(status['stages'].get(p, ['no stage']))})" for p in lost)
-    look = "Look at that process's log or node (killed? out of memory? network?)"
-    if status["task"]:
-        return f"{status['task']}: {who} {how}. {look}"
-    ckpt = (f"The last checkpoint is {status['checkpoint']}: rerun with --resume to continue from it"
-            if status["checkpoint"] else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
-    when = f"at step {status['step']}" if status["step"] else "before the first step"
-    return f"{when}: {who} {how}. {look}. {ckpt}"
-
-
-def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseException:
-    """Turn a transport error into a :class:`WorkerLostError` naming the lost workers."""
+def explain(exc: BaseException, processes, status: RunStatus, timeout: float = 3.0) -> BaseException:
+    """Turn a transport error into a :class:`WorkerLostError` naming the lost workers and what
+    ``status`` says the run was doing."""
     if isinstance(exc, StageError) and not isinstance(exc, WorkerLostError):
-        exc.step = status["step"]  # shown after the stage's traceback (rpcmp.cli.report)
+        exc.step = status.step  # shown after the stage's traceback (rpcmp.cli.report)
         return exc
     try:
         lost = unresponsive([p for p in processes if p != rpc.get_worker_info().name], timeout)
@@ -64,7 +51,7 @@ def explain(exc: BaseException, processes, timeout: float = 3.0) -> BaseExceptio
         lost = []
     if not lost:
         return exc
-    return WorkerLostError(describe(lost, f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
+    return WorkerLostError(status.describe(lost, f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
 
 
 @contextlib.contextmanager
@@ -84,16 +71,16 @@ def explained(explain):
 class Watchdog(threading.Thread):
     """Ping every worker; end the master if one stays silent for ``timeout`` seconds."""
 
-    def __init__(self, workers: list[str], timeout: float, interval: float = 1.0):
+    def __init__(self, workers: list[str], timeout: float, status: RunStatus, interval: float = 1.0):
         super().__init__(daemon=True, name="rpcmp-watchdog")
-        self.workers, self.timeout, self.interval = workers, timeout, interval
+        self.workers, self.timeout, self.status, self.interval = workers, timeout, status, interval
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):
             lost = unresponsive(self.workers, self.timeout)
             if lost and not self._halt.is_set():
-                print("rpcmp: error: WorkerLostError: " + describe(
+                print("rpcmp: error: WorkerLostError: " + self.status.describe(
                     lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
                     file=sys.stderr, flush=True)
                 for child in multiprocessing.active_children():  # local workers, even stopped ones
@@ -116,13 +103,14 @@ class Heartbeats(threading.Thread):
     error does not end the thread: it is said once and the beats go on when the store
     answers again."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store, interval: float = 1.0):
+    def __init__(self, rank: int, world_size: int, timeout: float, store, status: RunStatus, interval: float = 1.0):
         super().__init__(daemon=True, name="rpcmp-heartbeats")
         self.rank, self.world, self.timeout, self.store, self.interval = rank, world_size, timeout, store, interval
+        self.status = status
         self._halt = threading.Event()
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its count, when it last moved, monotonic)
         self.store_errors = 0
-        status["stages"] = {f"worker{r}" if r else "master": ["DDP replica"] for r in range(world_size)}
+        status.stages = {f"worker{r}" if r else "master": ["DDP replica"] for r in range(world_size)}
 
     def _beat(self) -> None:
         self.store.add(f"rpcmp/hb/{self.rank}", 1)
@@ -154,7 +142,7 @@ class Heartbeats(threading.Thread):
                 continue
             if lost and not self._halt.is_set():
                 names = [f"worker{r}" for r in lost]
-                print("rpcmp: error: WorkerLostError: " + describe(
+                print("rpcmp: error: WorkerLostError: " + self.status.describe(
                     names, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
                     file=sys.stderr, flush=True)
                 for child in multiprocessing.active_children():
@@ -169,7 +157,7 @@ class Heartbeats(threading.Thread):
             except Exception:  # noqa: BLE001
                 break
             if lost:
-                return WorkerLostError(describe([f"worker{r}" for r in lost],
+                return WorkerLostError(self.status.describe([f"worker{r}" for r in lost],
                                                 f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
             time.sleep(0.25)
         return exc

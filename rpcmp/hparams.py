@@ -14,11 +14,12 @@ starts from that class's own defaults, not from a guessed learning rate.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-__all__ = ["scheduled_fields", "apply_fields", "read_fields", "make_probe", "scheduler_state", "load_scheduler_state"]
+__all__ = ["scheduled_fields", "apply_fields", "read_fields", "make_probe", "scheduler_state", "load_scheduler_state",
+           "StageFields"]
 
 
 def scheduled_fields(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -85,3 +86,47 @@ def _numeric(value: Any) -> bool:
     if isinstance(value, tuple):
         return all(_numeric(v) for v in value)
     return isinstance(value, (int, float))
+
+
+_UNSET = object()
+
+
+class StageFields:
+    """The optimizer fields of every stage's optimizer, kept equal to what the job's scheduler
+    sets (see [Note: schedulers in pipeline mode]); ``send(changed)`` writes fields to every
+    stage (over RPC, in pipeline mode) and is called only with fields that changed."""
+
+    def __init__(self, optimizer: tuple, scheduler: tuple | None, send: Callable[[dict[str, Any]], None]):
+        self.probe, self.scheduler = make_probe(optimizer, scheduler)
+        self.sent: dict[str, Any] = dict(optimizer[1])
+        self._send = send
+        self._push()  # what the scheduler sets at construction reaches every stage before step 1
+
+    def set(self, fields: dict[str, Any]) -> None:
+        changed = {k: v for k, v in fields.items() if self.sent.get(k, _UNSET) != v}
+        if changed:
+            self._send(changed)
+            self.sent.update(changed)
+
+    def step(self) -> None:
+        """Step the scheduler; what it changed reaches every stage before the next step."""
+        if self.scheduler is None:
+            return
+        self.probe.step()
+        self.scheduler.step()
+        self._push()
+
+    def state(self) -> dict[str, Any]:
+        return scheduler_state(self.scheduler, self.probe)
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        load_scheduler_state(self.scheduler, self.probe, state)
+        self._push()
+
+    @property
+    def lr(self) -> float | None:
+        return self.sent.get("lr")
+
+    def _push(self) -> None:
+        if self.probe is not None:
+            self.set(scheduled_fields(self.probe))

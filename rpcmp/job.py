@@ -51,6 +51,7 @@ class Job:
     batch_size: int = 8
     microbatches: int = 1
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
+    replicas: int = 1  # pipeline mode: copies of the pipeline, each on its share of every batch (rpcmp/replicas.py)
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
     precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
     recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/stage.py)
@@ -81,7 +82,7 @@ class Job:
 
     def __post_init__(self):
         declaration_kind(self.stages)
-        for name in ("batch_size", "microbatches", "epochs", "accumulate"):
+        for name in ("batch_size", "microbatches", "epochs", "accumulate", "replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise JobError(f"Job.{name} must be a positive integer, got {value!r}")
@@ -90,6 +91,13 @@ class Job:
                 f"Job.microbatches ({self.microbatches}) is larger than Job.batch_size ({self.batch_size}): "
                 f"each micro-batch needs at least one sample; lower microbatches or raise batch_size"
             )
+        if self.replicas > 1 and self.mode != "pipeline":
+            raise JobError(f"Job.replicas={self.replicas} copies a pipeline of stages; DDP mode copies the whole model "
+                           f"on every rank already: drop replicas, or use mode='pipeline'")
+        if self.replicas > 1 and (self.batch_size % self.replicas or self.batch_size // self.replicas < self.microbatches):
+            raise JobError(f"Job.batch_size ({self.batch_size}) is the global batch, split over {self.replicas} replicas "
+                           f"into {self.microbatches} micro-batches each: make it a multiple of {self.replicas} of at "
+                           f"least {self.replicas * self.microbatches}")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise JobError(f"Job.checkpoint_every must be 0 (every epoch) or a positive step count, got {self.checkpoint_every!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 1:

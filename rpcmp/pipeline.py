@@ -29,7 +29,7 @@ received activations over RPC last, so every stage finished all M backward passe
 sending any gradient upstream, and the drain ran serially.
 As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums always
 add up in the same order), each owner adds its gradients into the first context's
-(:func:`rpcmp.stage._merge_grads`) and the context is released: an owner holds two
+(:func:`rpcmp.stage.merge_grads`) and the context is released: an owner holds two
 copies of its gradients at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps
 with the first context. The loss of micro-batch i is weighted by its share of the batch,
 which is exact for losses that are means over samples (checked on the first step, see
@@ -55,7 +55,6 @@ the held-out Dice collapsed (figures: benchmarks/PERFORMANCE.md, design measurem
 """
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import warnings
@@ -70,32 +69,31 @@ from torch.distributed.optim import DistributedOptimizer
 
 from . import health
 from . import inbox
-from . import stage as _stage
+from . import stage
 from .errors import JobError, StageError
 from .failure import Failure
 from .data import needs_sample, sample_batch
 from .executor import run_step
 from .futures import wait_all
-from .hparams import load_scheduler_state, make_probe, scheduled_fields, scheduler_state
+from .hparams import StageFields
 from .schedule import SCHEDULES
 from .microbatch import batch_size, gather, map_tensors, scatter
 from .partition import StageSpec, plan_stages
 from .placement import Place, resolve_placement
-from .policy import NonFinite
+from .policy import GradientPolicy, NonFinite
+from .served import RunStatus, current
 from .state import PipelineState
 
 __all__ = ["Pipeline"]
 
-_PIPELINE_IDS = itertools.count()
-_SCALE_GROWTH = 2000  # good fp16 steps before the loss scale doubles
-_UNSET = object()
 
 
 class Pipeline(PipelineState):
     """A model split into stages, each owned by the process its placement names."""
 
     def __init__(self, job, world_size: int, *, microbatches: int | None = None,
-                 optimizer: tuple | None = None, schedule: str | None = None, sample: Any = None):
+                 optimizer: tuple | None = None, schedule: str | None = None, sample: Any = None,
+                 status: RunStatus | None = None, places: list[Place] | None = None, replica: tuple | None = None):
         self.job = job
         self.microbatches = microbatches or job.microbatches
         self.schedule = schedule or job.schedule
@@ -104,16 +102,20 @@ class Pipeline(PipelineState):
         if sample is None and needs_sample(job):
             sample = sample_batch(job)  # Split(by="time") profiles the layers on the job's first batch
         self.specs: list[StageSpec] = plan_stages(job, sample)
-        self.places: list[Place] = resolve_placement(job.placement, len(self.specs), world_size)
+        self.places: list[Place] = places or resolve_placement(job.placement, len(self.specs), world_size)
+        # Job(replicas=R): (this copy's index, the rpcmp.replicas.ReplicaSync the copies meet at); see
+        # [Note: replicas of a pipeline]
+        self.replica = replica
         self._owners = [p.process for p in self.places]
-        self.pid = next(_PIPELINE_IDS)
-        self._seq = 0
-        health.status["stages"] = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
+        served = current()
+        self.pid, self._seq = served.next_pipeline_id(), 0
+        self.status = status or served.status  # what failure messages say the run was doing
+        self.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
         options["owners"], options["deliver"] = list(self._owners), inbox.deliver
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
-            futs.append(rpc.rpc_async(place.process, _stage._build,
+            futs.append(rpc.rpc_async(place.process, stage.build,
                                       args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
         # A worker lost while building is named; a stage that failed to build says so itself.
         with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
@@ -134,15 +136,8 @@ class Pipeline(PipelineState):
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self._param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.nonfinite = NonFinite(job.nonfinite)
-        # fp16: the loss is scaled before backward; a step whose gradients overflow on any stage is
-        # skipped and the scale halved; it doubles after GROWTH good steps (as torch.amp.GradScaler).
-        self.loss_scale = 2.0 ** 16 if job.precision == "fp16" else None
-        self.overflow_steps, self._good_steps = 0, 0
-        self.last_grad_norm = None
-        # See [Note: schedulers in pipeline mode]: what the scheduler sets reaches every stage before step 1.
-        self._probe, self.scheduler = make_probe((cls, kwargs), job.scheduler)
-        self._sent: dict[str, Any] = dict(kwargs)
-        self._send_fields()
+        self.gradients = GradientPolicy(job.precision == "fp16", job.clip_grad_norm)
+        self.fields = StageFields((cls, kwargs), job.scheduler, self._write_fields)  # see [Note: schedulers in pipeline mode]
         self._loss_checked = False  # see _check_loss
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
@@ -224,66 +219,84 @@ class Pipeline(PipelineState):
         """Micro-batches per training batch: M, or 1 for whole-batch BatchNorm."""
         return 1 if self.whole_batch_bn else self.microbatches
 
+    def _apply_step(self, ctx_id: int, loss: torch.Tensor) -> None:
+        """The optimizer step of context ``ctx_id`` after the step's backward, as the policy allows
+        (non-finite loss, fp16 overflow); with replicas, on gradients averaged over the copies."""
+        if self.optimizer is None:
+            return
+        if self.replica is not None:
+            index, sync = self.replica
+            loss = sync.meet(index, loss.detach().float())  # every copy's backward is done
+            wait_all([rpc.rpc_async(o, stage.average_grads, args=(self.pid, ctx_id))
+                      for o in self._param_owners])
+            # The copies decide alike on the same mean loss; only the first says so (a warning, an error).
+            if index and not torch.isfinite(loss).all():
+                return
+        if self._finite(loss) and self._unscale_and_clip(ctx_id):
+            self.optimizer.step(ctx_id)
+            self._schedule_lr()
+
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss if self.loss_scale is None else loss * self.loss_scale
+        return self.gradients.scaled(loss)
 
     def _unscale_and_clip(self, ctx_id: int) -> bool:
-        """fp16: undo the loss scale, or skip the step (False) if any stage's gradients overflowed.
-        Clipping: by the global norm over every stage, as clip_grad_norm_ on the unsplit model."""
-        if not self.job.clip_grad_norm and self.loss_scale is None:
+        """Apply :class:`~rpcmp.policy.GradientPolicy` to the context's gradients on every owner;
+        False: skip this step (an fp16 overflow)."""
+        if not self.gradients.needs_norm:
             return True
-        sq = wait_all([rpc.rpc_async(o, _stage._grad_sq_norm, args=(self.pid, ctx_id)) for o in self._param_owners])
-        norm, coef = math.sqrt(sum(sq)), 1.0
-        if self.loss_scale is not None:
-            if not math.isfinite(norm):
-                self.overflow_steps += 1
-                self.loss_scale, self._good_steps = max(self.loss_scale / 2, 1.0), 0
-                return False
-            norm, coef = norm / self.loss_scale, 1.0 / self.loss_scale
-            self._good_steps += 1
-            if self._good_steps % _SCALE_GROWTH == 0:
-                self.loss_scale *= 2
-        self.last_grad_norm = norm
-        if self.job.clip_grad_norm:
-            coef *= min(1.0, self.job.clip_grad_norm / (norm + 1e-6))
+        sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id)) for o in self._param_owners])
+        coef = self.gradients.coefficient(math.sqrt(sum(sq)))
+        if coef is None:
+            return False
         if coef != 1.0:
-            wait_all([rpc.rpc_async(o, _stage._scale_grads, args=(self.pid, ctx_id, coef)) for o in self._param_owners])
+            wait_all([rpc.rpc_async(o, stage.scale_grads, args=(self.pid, ctx_id, coef)) for o in self._param_owners])
         return True
 
+    # -- policy state the trainer reads and checkpoints ------------------------------------
+    @property
+    def loss_scale(self) -> float | None:
+        return self.gradients.scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.gradients.scale = value
+
+    @property
+    def overflow_steps(self) -> int:
+        return self.gradients.overflow_steps
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self.gradients.last_norm
+
+    @property
+    def scheduler(self):
+        return self.fields.scheduler
+
     def _schedule_lr(self) -> None:
-        """Step the scheduler; every optimizer field it changed reaches every stage before the next step."""
-        if self.scheduler is None:
-            return
-        self._probe.step()
-        self.scheduler.step()
-        self._send_fields()
+        self.fields.step()
 
     def scheduler_state(self) -> dict:
-        return scheduler_state(self.scheduler, self._probe)
+        return self.fields.state()
 
     def load_scheduler_state(self, state: dict) -> None:
-        load_scheduler_state(self.scheduler, self._probe, state)
-        self._send_fields()
+        self.fields.load_state(state)
 
-    def _send_fields(self) -> None:
-        if self._probe is not None:
-            self.set_hparams(scheduled_fields(self._probe))
+    def _write_fields(self, changed: dict[str, Any]) -> None:
+        wait_all([rpc.rpc_async(r.owner(), stage.set_fields, args=(r, changed)) for r in self._remote_optimizers])
 
     def set_hparams(self, fields: dict[str, Any]) -> None:
         """Set optimizer fields (``lr``, ``momentum``, ``betas``, ...) on every stage's optimizer."""
-        changed = {k: v for k, v in fields.items() if self._sent.get(k, _UNSET) != v}
-        if changed:
-            wait_all([rpc.rpc_async(r.owner(), _stage._set_fields, args=(r, changed)) for r in self._remote_optimizers])
-            self._sent.update(changed)
+        self.fields.set(fields)
 
     @property
     def lr(self) -> float | None:
         """The learning rate the stages' optimizers use next."""
-        return self._sent.get("lr")
+        return self.fields.lr
 
     def hparams(self) -> list[dict[str, Any]]:
         """The fields each owner's optimizer will use at its next step (for checks and logs)."""
-        return wait_all([rpc.rpc_async(r.owner(), _stage._get_fields, args=(r,)) for r in self._remote_optimizers])
+        return wait_all([rpc.rpc_async(r.owner(), stage.get_fields, args=(r,)) for r in self._remote_optimizers])
 
     def learning_rates(self) -> list[float]:
         """The learning rate each owner's optimizer will use next."""
@@ -309,7 +322,7 @@ class Pipeline(PipelineState):
 
     # -- mode, tracing, lifetime (the state across owners: rpcmp.state) ----------
     def train(self, mode: bool = True) -> "Pipeline":
-        self._each(_stage._set_training, mode)
+        self._each(stage.set_training, mode)
         return self
 
     def eval(self) -> "Pipeline":
@@ -318,7 +331,7 @@ class Pipeline(PipelineState):
     def explain(self, exc: BaseException) -> BaseException:
         """``exc`` as a :class:`~rpcmp.errors.WorkerLostError` naming the owner that stopped
         answering, if one did (see :func:`rpcmp.health.explain`)."""
-        return health.explain(exc, set(self._owners))
+        return health.explain(exc, set(self._owners), self.status)
 
     def _held(self) -> dict[str, list[StageSpec]]:
         """The stages each process owns, in order."""
@@ -328,19 +341,19 @@ class Pipeline(PipelineState):
         return held
 
     def start_trace(self) -> None:
-        self._each(_stage._set_trace, True)
+        self._each(stage.set_trace, True)
 
     def stop_trace(self) -> dict[int, list]:
         """Stop tracing; return each stage's (kind, seq, start, end) slices."""
-        return dict(enumerate(self._each(_stage._set_trace, False)))
+        return dict(enumerate(self._each(stage.set_trace, False)))
 
     def stats(self) -> list[dict[str, float]]:
-        return self._each(_stage._stats)
+        return self._each(stage.stats)
 
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""
         owners = set(self._owners)
-        wait_all([rpc.rpc_async(o, _stage._release, args=(self.pid,)) for o in owners])
+        wait_all([rpc.rpc_async(o, stage.release, args=(self.pid,)) for o in owners])
         self.optimizer = None
         self.param_rrefs, self.stages = [], []
         self._threads.shutdown(wait=False)
@@ -351,6 +364,6 @@ class Pipeline(PipelineState):
 
     def _resync(self) -> None:
         try:
-            self._each(_stage._resync, self._seq)
+            self._each(stage.resync, self._seq)
         except Exception:  # the original error is the one worth reporting
             pass

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import health
+from .served import RunStatus
 from .checkpoint import check_model_keys, load_checkpoint
 from .errors import JobError
 from .microbatch import batch_size, gather
@@ -40,8 +41,8 @@ def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: i
     """The same through the job's stages on ``world_size`` processes (run as the master)."""
     from .pipeline import Pipeline
     ckpt = load_checkpoint(checkpoint)
-    health.status["task"] = f"predicting with {ckpt['path']}"
-    pipe = Pipeline(job, world_size)
+    status = RunStatus(task=f"predicting with {ckpt['path']}")
+    pipe = Pipeline(job, world_size, status=status)
     try:
         with health.explained(pipe.explain):
             check_model_keys(ckpt, pipe.state_meta(), f"the model of {job.source}")

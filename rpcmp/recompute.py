@@ -16,6 +16,7 @@ without touching the running ones.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any
 
@@ -78,9 +79,10 @@ def make_recomputable(module: torch.nn.Module) -> None:
     for m in module.modules():
         cls = type(m)
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, _RecomputableBatchNorm):
-            if cls not in _RECOMPUTABLE:
-                _RECOMPUTABLE[cls] = type(cls.__name__, (_RecomputableBatchNorm, cls), {})
-            m.__class__ = _RECOMPUTABLE[cls]
+            m.__class__ = _recomputable(cls)
 
 
-_RECOMPUTABLE: dict[type, type] = {}
+@functools.cache
+def _recomputable(cls: type) -> type:
+    """``cls`` with :class:`_RecomputableBatchNorm` mixed in: one class per class (a pure function of it)."""
+    return type(cls.__name__, (_RecomputableBatchNorm, cls), {})

@@ -18,15 +18,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed.rpc as rpc
 
-from . import inbox
-from . import stage as _stage
 from .errors import RunAbortedError, StageError
 from .errors import WorkerLostError
 from .health import Watchdog
 from .job import Job, load_job
 from .network import preflight
-from .partition import Split, SplitAt
 from .placement import device_maps_for, process_name, resolve_placement
+from .replicas import grid_placement, join_stage_groups, leave_stage_groups, stage_count
+from .served import current, serve
 
 __all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
 
@@ -146,24 +145,25 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     torch.set_num_threads(job.threads or default_threads(local))
     _agree_on_attempt(world_size)
+    served = serve(job)  # what this process serves, fresh for this run: see [Note: one object per process]
     if job.mode == "ddp":
         return _run_ddp_rank(job, rank, world_size, main)
-    _stage.set_job(job)
-    inbox.clear()
     _fresh_store_prefix()
     options = _backend_options(job, world_size)
     if job.device_maps:
-        count = job.stages.count if isinstance(job.stages, (Split, SplitAt)) else len(job.stages)
-        places = resolve_placement(job.placement, count, world_size)
-        for peer, mapping in device_maps_for(places, process_name(rank)).items():
-            options.set_device_map(peer, mapping)
-    _OUTCOME["ok"] = None
+        rows = (grid_placement(job, world_size) if job.replicas > 1
+                else [resolve_placement(job.placement, stage_count(job), world_size)])
+        for places in rows:
+            for peer, mapping in device_maps_for(places, process_name(rank)).items():
+                options.set_device_map(peer, mapping)
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     result, error, watchdog = None, None, None
     try:
+        if job.replicas > 1:
+            join_stage_groups(job, rank, world_size, served)  # see [Note: replicas of a pipeline]
         if rank == 0 and main is not None:
             if world_size > 1 and job.hang_timeout:
-                watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout)
+                watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout, served.status)
                 watchdog.start()
             result = main(job, world_size)
     except BaseException as exc:  # shut the world down, then re-raise
@@ -175,11 +175,12 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
             _tell_outcome([process_name(r) for r in range(1, world_size)], error is None)
         # A stage's own failure leaves every process answering: leave as after success (no transport noise).
         left = _shutdown(graceful=error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
+        leave_stage_groups(served)  # after the RPC world: a worker's stages average gradients until the master leaves
     if error is not None:
         raise error
     # The master's word decides: a shutdown that fails after it said "ended normally" (the master
     # left first and took the rendezvous store with it) is no failure of the job.
-    if rank != 0 and not _OUTCOME["ok"]:
+    if rank != 0 and not served.outcome:
         raise RunAbortedError(f"{process_name(rank)}: the master " + ("ended with an error (its log says which)" if left
                               else "stopped answering before the job ended") + "; this rank exits 1")
     return result
@@ -190,12 +191,10 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
 # master's failure too (a stage error) or fails (the master died). Either way the worker
 # used to exit 0, and torchrun took its node for finished: under --max-restarts the
 # restarted master then waited for nodes that had gone home. The master now tells every
-# worker whether the run ended normally; a worker that was not told so exits 1.
-_OUTCOME: dict = {"ok": None}  # set on a worker by the master, through _outcome
-
-
+# worker whether the run ended normally (rpcmp.served.Served.outcome); a worker that was not
+# told so exits 1.
 def _outcome(ok: bool) -> None:
-    _OUTCOME["ok"] = ok
+    current().outcome = ok
 
 
 def _tell_outcome(workers: list[str], ok: bool) -> None:

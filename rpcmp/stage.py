@@ -3,11 +3,11 @@
 
 [Note: why activations skip the master]
 The master sends micro-batch m to stage 0 only. Each stage runs it and calls the next
-stage's owner itself (``rpc_async`` from inside :func:`_forward`); the last stage
+stage's owner itself (``rpc_async`` from inside :func:`forward`); the last stage
 hands its output to the master (:func:`rpcmp.inbox.deliver`), which computes the loss. All of
 this happens inside the master's distributed-autograd context, which RPC carries
 along, so ``dist_autograd.backward`` sends each gradient straight back along the
-same hops: stage to stage, never via the master. ``_forward`` is an
+same hops: stage to stage, never via the master. ``forward`` is an
 ``async_execution`` function: it returns the downstream future, so the RPC thread is
 free at once, errors travel back to the master, and stage k works on micro-batch
 m + 1 while stage k + 1 works on m (GPipe fill and drain). The master does not wait for
@@ -55,22 +55,18 @@ from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
 from .recompute import Recomputed, make_recomputable
 from .placement import MASTER, Place, check_device
+from .replicas import all_reduce_mean
+from .served import current
 
-__all__: list[str] = []  # everything here is called over RPC by rpcmp.pipeline
-
-_JOB = None  # the Job this process imported (set by rpcmp.runtime)
-_HOSTS: dict[tuple[int, int], "_StageHost"] = {}
-_BUILD_LOCK = threading.Lock()  # the global RNG is per process: one stage build at a time
-
-
-def set_job(job) -> None:
-    global _JOB
-    _JOB = job
-    _HOSTS.clear()
+# The RPC endpoints the master calls (rpcmp.pipeline, rpcmp.executor, rpcmp.inbox); each finds
+# the stage it acts on in this process's rpcmp.served.Served.
+__all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "average_grads", "grad_sq_norm",
+           "scale_grads",
+           "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
 
 
 @dataclass
-class _StageHost:
+class StageHost:
     pid: int
     spec: StageSpec
     place: Place
@@ -175,7 +171,7 @@ def _whoami() -> str:
     return rpc.get_worker_info().name
 
 
-def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float, options: dict):
+def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float, options: dict):
     """Build stage ``spec`` here; return RRefs of its parameters for the DistributedOptimizer,
     whether it has BatchNorm layers and an RRef of the module (the master's ``RemoteModule``
     handle), or a :class:`Failure` (see [Note: failures travel as values]). ``options``: the
@@ -185,8 +181,9 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
         device = check_device(place)
         # Builds of two stages on one process run on two RPC threads: each seeds the global RNG and
         # draws its initial weights from it, so they must not interleave.
-        with _BUILD_LOCK:
-            module = build_stage(_JOB, spec).to(device)
+        served = current()
+        with served.build_lock:
+            module = build_stage(served.job, spec).to(device)
     except Exception as exc:  # noqa: BLE001 - reported on the master
         return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
     keep = bool(options["device_maps"])
@@ -195,7 +192,7 @@ def _build(pid: int, spec: StageSpec, place: Place, next_process: str | None, ti
         make_recomputable(module)
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
     route = module.forward if spec.kind == "traced" else None  # see [Note: skip values go straight to their consumer]
-    _HOSTS[(pid, spec.index)] = _StageHost(pid, spec, place, module, device, next_process, keep, timeout,
+    served.hosts[(pid, spec.index)] = StageHost(pid, spec, place, module, device, next_process, keep, timeout,
                                            autocast, bool(options["recompute"]), owners=list(options["owners"]),
                                            deliver=options["deliver"],
                                            mail_in=tuple(route.mail_in) if route else (),
@@ -210,8 +207,8 @@ def _done(value: Any) -> torch.futures.Future:
 
 
 @rpc.functions.async_execution
-def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures.Future:
-    host = _HOSTS[(pid, index)]
+def forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures.Future:
+    host = current().host(pid, index)
     try:
         y = host.run(seq, x, grad)
     except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
@@ -222,9 +219,9 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     posted = []
     if host.posts:  # see [Note: skip values go straight to their consumer] in rpcmp/traced.py
         y, posts = y
-        posted = [rpc.rpc_async(host.owners[j], _post, args=(pid, j, seq, values)) for j, values in posts.items()]
+        posted = [rpc.rpc_async(host.owners[j], post, args=(pid, j, seq, values)) for j, values in posts.items()]
     if host.next_process is not None:
-        nxt = rpc.rpc_async(host.next_process, _forward, args=(pid, index + 1, seq, y, grad))
+        nxt = rpc.rpc_async(host.next_process, forward, args=(pid, index + 1, seq, y, grad))
     elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
         host.deliver(pid, seq, y)
         nxt = _done(None)
@@ -235,9 +232,9 @@ def _forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.future
     return torch.futures.collect_all([nxt, *posted]).then(lambda done: [f.wait() for f in done.wait()][0])
 
 
-def _post(pid: int, index: int, seq: int, values: dict) -> None:
+def post(pid: int, index: int, seq: int, values: dict) -> None:
     """Values of micro-batch ``seq`` that an earlier stage sends straight to stage ``index``."""
-    host = _HOSTS.get((pid, index))
+    host = current().hosts.get((pid, index))
     if host is not None:
         host.gate.receive(seq, values)
 
@@ -247,13 +244,13 @@ def _param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
     return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
 
 
-def _merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
+def merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
     """Add context ``ctx``'s gradients into ``base_ctx``'s, for one optimizer step.
 
     ``get_gradients`` hands out the context's own accumulated tensors, so ``add_``
     updates what the DistributedOptimizer will read from ``base_ctx``.
     """
-    params = _named_params(pid)
+    params = named_params(pid)
     base = _param_grads(params, base_ctx)
     for param, grad in _param_grads(params, ctx).items():
         if param not in base:
@@ -265,52 +262,66 @@ def _merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
         base[param].add_(grad)
 
 
-def _grad_sq_norm(pid: int, ctx_id: int) -> float:
+def average_grads(pid: int, ctx_id: int) -> None:
+    """Average this process's gradients in the context with the copies of its stages (``Job(replicas=R)``:
+    see [Note: replicas of a pipeline] in rpcmp/replicas.py), stage by stage, in parameter order."""
+    served = current()
+    for host in sorted(served.hosts_of(pid), key=lambda h: h.spec.index):
+        params = [p for p in host.module.parameters() if p.requires_grad]
+        grads = _param_grads(dict.fromkeys(params), ctx_id)
+        missing = [n for n, p in host.module.named_parameters() if p.requires_grad and p not in grads]
+        if missing:
+            raise StageError(f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}: parameters {missing[:3]} got no "
+                             f"gradient this step, so the copies of the stage cannot average theirs; replicas need every "
+                             f"parameter used in every step")
+        all_reduce_mean(served.stage_groups[host.spec.index], [grads[p] for p in params], served.job.replicas)
+
+
+def grad_sq_norm(pid: int, ctx_id: int) -> float:
     """Sum of squares of this process's parameter gradients in the context (for global clipping)."""
-    return float(sum(g.double().pow(2).sum() for g in _param_grads(_named_params(pid), ctx_id).values()))
+    return float(sum(g.double().pow(2).sum() for g in _param_grads(named_params(pid), ctx_id).values()))
 
 
-def _scale_grads(pid: int, ctx_id: int, scale: float) -> None:
-    for g in _param_grads(_named_params(pid), ctx_id).values():
+def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
+    for g in _param_grads(named_params(pid), ctx_id).values():
         g.mul_(scale)
 
 
-def _set_fields(optim_rref, fields: dict) -> None:
+def set_fields(optim_rref, fields: dict) -> None:
     apply_fields(optim_rref.local_value().optim, fields)
 
 
-def _get_fields(optim_rref) -> dict:
+def get_fields(optim_rref) -> dict:
     return read_fields(optim_rref.local_value().optim)
 
 
-def _set_training(pid: int, index: int, mode: bool) -> None:
-    _HOSTS[(pid, index)].module.train(mode)
+def set_training(pid: int, index: int, mode: bool) -> None:
+    current().host(pid, index).module.train(mode)
 
 
-def _resync(pid: int, index: int, next_seq: int) -> None:
-    _HOSTS[(pid, index)].gate.reset(next_seq)
+def resync(pid: int, index: int, next_seq: int) -> None:
+    current().host(pid, index).gate.reset(next_seq)
 
 
-def _skip(pid: int, index: int, seq: int) -> None:
-    host = _HOSTS.get((pid, index))
+def skip(pid: int, index: int, seq: int) -> None:
+    host = current().hosts.get((pid, index))
     if host is not None:
         host.gate.skip(seq)
 
 
-def _named_params(pid: int) -> dict[torch.Tensor, str]:
-    return {p: host.spec.prefix + n for (hp, _), host in _HOSTS.items() if hp == pid
-            for n, p in host.module.named_parameters()}
+def named_params(pid: int) -> dict[torch.Tensor, str]:
+    return {p: host.spec.prefix + n for host in current().hosts_of(pid) for n, p in host.module.named_parameters()}
 
 
-def _set_trace(pid: int, index: int, on: bool) -> list:
+def set_trace(pid: int, index: int, on: bool) -> list:
     """Start (on) or stop tracing this stage; stopping returns the recorded slices."""
-    host = _HOSTS[(pid, index)]
+    host = current().host(pid, index)
     events, host.events = host.events or [], [] if on else None
     return events
 
 
-def _stats(pid: int, index: int) -> dict[str, float]:
-    host = _HOSTS[(pid, index)]
+def stats(pid: int, index: int) -> dict[str, float]:
+    host = current().host(pid, index)
     return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "wall_s": time.perf_counter() - host.born, "process_cpu_s": _cpu_seconds() - host.cpu_born,
@@ -322,6 +333,7 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _release(pid: int) -> None:
-    for key in [k for k in _HOSTS if k[0] == pid]:
-        _HOSTS.pop(key).compute.shutdown(wait=False)
+def release(pid: int) -> None:
+    hosts = current().hosts
+    for key in [k for k in hosts if k[0] == pid]:
+        hosts.pop(key).compute.shutdown(wait=False)

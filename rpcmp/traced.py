@@ -143,7 +143,7 @@ class _Route:
     The split graph may hand a value to a stage further on (a Unet encoder's features reach
     the decoder, two stages later). A value the next stage does not read goes from the stage
     that makes it straight to every later stage that reads it, as a separate message
-    (``posts``, ``stage._post``), which the consumer waits for (``mail_in``) before it runs
+    (``posts``, ``rpcmp.stage.post``), which the consumer waits for (``mail_in``) before it runs
     that micro-batch; distributed autograd sends its gradient back the same way. A value the
     next stage reads travels on the chain (``chain_out``) and is passed on by the stages
     between, up to its last reader. That keeps each value's gradient terms summed in the

@@ -52,7 +52,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                                      epoch=epoch + 1, loss=float("nan"), rate=0.0)  # a bar per epoch
             position = (epoch + 1, 0)
             for k, group in enumerate(groups, start=first_batch):
-                health.status["step"] = step + 1
+                engine.status.step = step + 1
                 step_start = time.perf_counter()
                 tracer.before(step + 1)
                 loss, n = engine.train_step(group)
@@ -170,7 +170,7 @@ def _write(job, engine, run: str, step: int, epoch: int, next_batch: int, rng) -
     cls, _ = job.optimizer
     state = engine.write_state(job.checkpoint_dir, step, job.keep_last, run)  # the model and optimizer state
     state["optimizer"]["class"] = cls.__name__
-    health.status["checkpoint"] = save_checkpoint(job.checkpoint_dir, {
+    engine.status.checkpoint = save_checkpoint(job.checkpoint_dir, {
         "mode": engine.mode, "fingerprint": model_fingerprint(engine.state_meta()), **state,
         "scheduler": engine.scheduler_state() if engine.scheduler is not None else None,
         "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,

@@ -9,7 +9,7 @@ import torch
 import rpcmp
 import torch.distributed.rpc as rpc
 from helpers import assert_close_f32, batches, load, run_ranks, train_reference
-from rpcmp import state as _state
+from rpcmp import stage_state
 
 pytestmark = pytest.mark.integration
 STEPS = 3
@@ -107,7 +107,7 @@ def _dropout_runs(job, world_size):
     for recompute in (False, True):
         torch.manual_seed(11)  # the same generator state on every process, for both runs
         for w in ("worker1", "worker2"):
-            rpc.rpc_sync(w, _state._set_rng_state, args=(_state._rng_state(),))
+            rpc.rpc_sync(w, stage_state.set_rng_state, args=(stage_state.rng_state(),))
         pipe = rpcmp.Pipeline(dataclasses.replace(job, recompute=recompute), world_size, microbatches=4)
         out[recompute] = ([pipe.train_step(x, y).item() for x, y in data], pipe.state_dict())
         pipe.close()

@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from rpcmp.health import Heartbeats
 from rpcmp.runtime import free_port
+from rpcmp.served import RunStatus
 
 
 @pytest.fixture
@@ -22,8 +23,8 @@ def _wait(predicate, timeout=10.0):
 
 
 def test_a_wall_clock_step_does_not_make_a_beating_rank_silent(store, monkeypatch):
-    watcher = Heartbeats(0, 2, 1.0, store)
-    beating = Heartbeats(1, 2, 1.0, store, interval=0.05)
+    watcher = Heartbeats(0, 2, 1.0, store, RunStatus())
+    beating = Heartbeats(1, 2, 1.0, store, RunStatus(), interval=0.05)
     beating.start()
     try:
         assert watcher.silent(0.5) == []
@@ -53,7 +54,7 @@ class FlakyStore:
 
 
 def test_the_heartbeat_thread_survives_store_errors_and_says_so(store, capfd):
-    beats = Heartbeats(1, 2, 0, FlakyStore(store, 3), interval=0.05)
+    beats = Heartbeats(1, 2, 0, FlakyStore(store, 3), RunStatus(), interval=0.05)
     beats.start()
     try:
         _wait(lambda: store.add("rpcmp/hb/1", 0) >= 3)  # beating again after the errors

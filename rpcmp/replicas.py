@@ -1,0 +1,297 @@
+"""Pipeline x data parallel: ``Job(replicas=R)`` trains R copies of the S-stage pipeline on R x S
+processes, each copy on its own share of every batch.
+
+[Note: replicas of a pipeline]
+The master drives every copy: it splits each global batch as ``DistributedSampler`` would
+(replica r takes samples r, r + R, r + 2R, ... of the batch, which is exactly what R
+samplers over the same shuffled order hand out), and runs the R pipelines' steps at once,
+one thread each. When every copy's backward is done, each owner averages its gradients
+with the copies of its stage (one ``all_reduce`` over one flat buffer per stage, in a
+process group per stage: gloo on the CPU, NCCL for CUDA stages), and every copy then takes
+the same optimizer step, so the copies stay identical. The policy decisions use the
+average too: the loss that is checked for NaN is the mean over the copies, and clipping
+and fp16 loss scaling see the averaged gradients, so every copy decides alike. The
+copies wait for each other before the collectives start (:class:`ReplicaSync`), so a copy
+that failed earlier in the step leaves nobody inside an ``all_reduce``.
+Each copy's loss is the mean over its own share, so the averaged gradient is the
+gradient of the mean over the global batch, as with one copy (the float sums differ in
+order, so equal at float32 tolerance, not bit-equal). BatchNorm sees each copy's share,
+as in DDP mode without SyncBatchNorm. The averaging waits for the whole backward: it is
+not overlapped with it (one collective per stage and step; figures in
+benchmarks/PERFORMANCE.md).
+
+The grid (:func:`grid_placement`): with ``placement="auto"`` the copies of stage k sit on
+consecutive ranks (under torchrun: one node, which keeps their all_reduce on the node) and
+a copy's stages on ranks R apart (other nodes). An explicit placement lists R x S
+``process/device`` entries, copy by copy.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from .errors import PlacementError
+from .microbatch import batch_size, gather
+from .partition import Split, SplitAt
+from .placement import Place, process_name, resolve_placement
+
+__all__ = ["grid_placement", "stage_count", "join_stage_groups", "leave_stage_groups", "all_reduce_mean", "ReplicaSync",
+           "Replicated", "shard", "unshard"]
+
+
+def stage_count(job) -> int:
+    return job.stages.count if isinstance(job.stages, (Split, SplitAt)) else len(job.stages)
+
+
+def grid_placement(job, world_size: int, stages: int | None = None) -> list[list[Place]]:
+    """``[replica][stage]`` -> the :class:`Place` that owns that copy of that stage."""
+    s, r = stages or stage_count(job), job.replicas
+    need = r * s
+    if job.placement == "auto":
+        if world_size < need:
+            raise PlacementError(f"{r} replicas x {s} stages need {need} processes (or {need + 1}: the master holds no "
+                                 f"stage then), got {world_size}: start {need + 1} processes (--local {need + 1})")
+        first = 1 if world_size > need else 0  # with exactly R x S processes the master holds the last copy
+        return [[Place(process_name((first + k * r + i) % world_size)) for k in range(s)] for i in range(r)]
+    if isinstance(job.placement, str) or len(job.placement) != need:
+        raise PlacementError(f"with {r} replicas of {s} stages, placement must be 'auto' or {need} 'process/device' "
+                             f"entries (replica 0's stages, then replica 1's, ...), got {job.placement!r}")
+    flat = resolve_placement(list(job.placement), need, world_size)
+    grid = [flat[i * s:(i + 1) * s] for i in range(r)]
+    for k in range(s):
+        copies = [grid[i][k].process for i in range(r)]
+        if len(set(copies)) < r:
+            raise PlacementError(f"the {r} copies of stage {k} must be on {r} different processes (their gradients are "
+                                 f"averaged in a process group), got {copies}")
+    return grid
+
+
+def join_stage_groups(job, rank: int, world_size: int, served) -> None:
+    """On every rank of a run with replicas: one process group over all ranks, and one per stage
+    over the ranks that hold its copies (``served.stage_groups[k]``). Every rank must call this:
+    creating a group is a collective of the whole world."""
+    grid = grid_placement(job, world_size)
+    timeout = timedelta(seconds=max(60.0, job.hang_timeout or 0))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    cuda = any(p.device.startswith("cuda") for row in grid for p in row)
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"rpcmp/pg/{attempt}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
+    groups = {}
+    for k in range(len(grid[0])):
+        ranks = sorted(grid[i][k].rank for i in range(len(grid)))
+        backend = "nccl" if grid[0][k].device.startswith("cuda") else "gloo"
+        group = dist.new_group(ranks, backend=backend, timeout=timeout)
+        if rank in ranks:
+            groups[k] = group
+    served.stage_groups = groups
+    dist.barrier()  # a rank outside a group passes new_group at once: no stage is used before every group exists
+
+
+def leave_stage_groups(served) -> None:
+    if served.stage_groups is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    served.stage_groups = None
+
+
+def all_reduce_mean(group, grads: list[torch.Tensor], copies: int) -> None:
+    """Average ``grads`` in place over the ``copies`` processes of ``group``: one flat buffer, one all_reduce."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= copies
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+class ReplicaSync:
+    """Where the copies of a step meet before their gradients are averaged: every copy brings its
+    loss and leaves with the mean over the copies. A copy that failed earlier calls :meth:`abort`,
+    and the others leave with ``threading.BrokenBarrierError`` instead of waiting."""
+
+    def __init__(self, copies: int, timeout: float | None = None):
+        self.copies, self._losses = copies, [None] * copies
+        self._barrier = threading.Barrier(copies, timeout=timeout)
+
+    def meet(self, index: int, loss: torch.Tensor) -> torch.Tensor:
+        self._losses[index] = loss.detach()
+        self._barrier.wait()
+        mean = torch.stack(self._losses).mean(0)
+        self._barrier.wait()  # nobody overwrites a loss of this step before everyone has read them
+        return mean
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def reset(self) -> None:
+        self._barrier.reset()
+
+
+def shard(x: Any, index: int, copies: int) -> Any:
+    """Replica ``index``'s share of batch ``x``: samples index, index + copies, ... (DistributedSampler's)."""
+    return pytree.tree_map(lambda t: t[index::copies] if isinstance(t, torch.Tensor) else t, x)
+
+
+def unshard(parts: list[Any]) -> Any:
+    """The inverse of :func:`shard`: the parts' samples back in the batch's order."""
+    def weave(*ts):
+        if not isinstance(ts[0], torch.Tensor) or ts[0].dim() == 0:
+            return ts[0]
+        out = ts[0].new_empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]))
+        for i, t in enumerate(ts):
+            out[i::len(ts)] = t
+        return out
+    return pytree.tree_map(weave, *parts)
+
+
+class Replicated:
+    """R :class:`~rpcmp.Pipeline` copies that train as one (see [Note: replicas of a pipeline]);
+    what the trainer asks of a pipeline, it asks of this."""
+
+    def __init__(self, job, world_size: int, pipeline_cls, status=None):
+        self.job, self.copies = job, job.replicas
+        grid = grid_placement(job, world_size)
+        self.sync = ReplicaSync(self.copies, timeout=max(job.rpc_timeout, job.hang_timeout or 0) * 4)
+        self.pipes = [pipeline_cls(job, world_size, places=grid[i], replica=(i, self.sync), status=status)
+                      for i in range(self.copies)]
+        self.status = self.pipes[0].status
+        self.status.stages = {}
+        for i, pipe in enumerate(self.pipes):
+            for owner, held in pipe._held().items():
+                self.status.stages.setdefault(owner, []).extend(f"replica {i} stage {s.index} {s.name}" for s in held)
+        self._threads = ThreadPoolExecutor(self.copies, thread_name_prefix="rpcmp-replica")
+
+    # -- what differs: every copy works, on its share ------------------------------------
+    def _all(self, fn) -> list:
+        return [f.result() for f in [self._threads.submit(fn, i, p) for i, p in enumerate(self.pipes)]]
+
+    def train_step(self, x: Any, y: Any, chunks: int | None = None) -> torch.Tensor:
+        """One optimizer step of every copy, each on its share of ``(x, y)``; the mean loss over the copies."""
+        self.sync.reset()
+
+        def step(i, pipe):
+            try:
+                return pipe.train_step(shard(x, i, self.copies), shard(y, i, self.copies), chunks)
+            except BaseException:
+                self.sync.abort()  # the others stop waiting for this copy
+                raise
+        futures = [self._threads.submit(step, i, p) for i, p in enumerate(self.pipes)]
+        errors, losses = [], []
+        for f in futures:
+            try:
+                losses.append(f.result())
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - the first real failure is re-raised
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return torch.stack(losses).mean(0)
+
+    @torch.no_grad()
+    def predict(self, x: Any) -> Any:
+        copies = min(self.copies, batch_size(x))
+        parts = self._all(lambda i, p: p.predict(shard(x, i, copies)) if i < copies else None)
+        return unshard(parts[:copies])
+
+    def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any:
+        return gather([self.pipes[0].forward(x, grad, chunks)])
+
+    def train(self, mode: bool = True) -> "Replicated":
+        self._all(lambda i, p: p.train(mode))
+        return self
+
+    def eval(self) -> "Replicated":
+        return self.train(False)
+
+    # -- state: every copy holds the same values; the first one speaks for all -------------
+    def state_dict(self) -> dict:
+        return self.pipes[0].state_dict()
+
+    def state_meta(self) -> dict:
+        return self.pipes[0].state_meta()
+
+    def optimizer_state(self) -> dict:
+        return self.pipes[0].optimizer_state()
+
+    def save_stage_files(self, directory: str, step: int, keep_last: int, run: str | None = None) -> list[dict]:
+        return self.pipes[0].save_stage_files(directory, step, keep_last, run)  # written once, not R times
+
+    def load_files(self, files: list[str], optimizer: bool = True) -> None:
+        self._all(lambda i, p: p.load_files(files, optimizer))
+
+    def load_state_dict(self, state: dict) -> None:
+        self._all(lambda i, p: p.load_state_dict(state))
+
+    def init_from(self, path: str) -> None:
+        self._all(lambda i, p: p.init_from(path))
+
+    def rng_state(self) -> dict:
+        return {"replicas": [p.rng_state() for p in self.pipes]}
+
+    def load_rng_state(self, saved) -> bool:
+        if not saved or len(saved.get("replicas", ())) != self.copies:
+            return False
+        return all([p.load_rng_state(s) for p, s in zip(self.pipes, saved["replicas"])])
+
+    def scheduler_state(self) -> dict:
+        return self.pipes[0].scheduler_state()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        for p in self.pipes:
+            p.load_scheduler_state(state)
+
+    def set_hparams(self, fields: dict) -> None:
+        for p in self.pipes:
+            p.set_hparams(fields)
+
+    # -- read from the first copy; the grid where it matters -------------------------------
+    _FIRST = ("specs", "places", "lr", "last_grad_norm", "schedule", "microbatches", "batch_chunks", "whole_batch_bn",
+              "scheduler", "skipped_steps", "overflow_steps", "hparams", "learning_rates", "optimizer")
+
+    def __getattr__(self, name: str) -> Any:
+        """What every copy holds alike is read from the first (the names in ``_FIRST``)."""
+        if name not in Replicated._FIRST or "pipes" not in self.__dict__:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self.__dict__["pipes"][0], name)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.pipes[0].loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        for p in self.pipes:
+            p.loss_scale = value
+
+    @property
+    def grid(self) -> list[list[Place]]:
+        return [p.places for p in self.pipes]
+
+    def stats(self) -> list[dict]:
+        return [st for p in self.pipes for st in p.stats()]
+
+    @property
+    def rows(self) -> list[tuple]:
+        """(replica, spec, place) for every process of the grid, for the run's summary."""
+        return [(i, s, pl) for i, p in enumerate(self.pipes) for s, pl in zip(p.specs, p.places)]
+
+    def explain(self, exc: BaseException) -> BaseException:
+        from . import health
+        owners = {pl.process for p in self.pipes for pl in p.places}
+        return health.explain(exc, owners, self.status)
+
+    def close(self) -> None:
+        for p in self.pipes:
+            p.close()
+        self._threads.shutdown(wait=False)

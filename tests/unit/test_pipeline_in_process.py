@@ -1,0 +1,120 @@
+"""The master's mechanism in one process: a Pipeline whose stages all live on the master, in a
+one-process RPC world (real RPC, real distributed autograd, no other process). What needs
+several processes (transport, faults, launch) is in tests/integration."""
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+import rpcmp
+from helpers import assert_close_f32, batches, load, train_reference
+from rpcmp.runtime import _backend_options, free_port
+from rpcmp.trainer import fit
+from rpcmp.served import current, serve
+
+_ON_MASTER = ["master", "master"]
+
+
+@pytest.fixture(scope="session")
+def world():
+    """One RPC world for the whole session: init_rpc works once per process."""
+    job = dataclasses.replace(load("mlp"), placement=_ON_MASTER)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.set_num_threads(1)
+    rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=_backend_options(job, 1))
+    yield job
+    rpc.shutdown()
+
+
+@pytest.fixture
+def job(world):
+    serve(world)  # every test starts from a fresh Served, as a second run in one process would
+    return world
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "1f1b", "gpipe"])
+def test_every_schedule_trains_as_the_unsplit_model(job, schedule):
+    data = batches(3)
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, data)
+    pipe = rpcmp.Pipeline(job, world_size=1, schedule=schedule, microbatches=4)
+    losses = [pipe.train_step(x, y).item() for x, y in data]
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(pipe.state_dict(), ref_state)
+    pipe.close()
+    assert not current().hosts and len(current().inbox) == 0  # closing leaves nothing behind
+
+
+def test_state_and_optimizer_state_round_trip_by_the_unsplit_names(job):
+    pipe = rpcmp.Pipeline(dataclasses.replace(job, optimizer=(torch.optim.Adam, {"lr": 0.01})), world_size=1)
+    x, y = batches(1)[0]
+    pipe.train_step(x, y)
+    state, optim = pipe.state_dict(), pipe.optimizer_state()
+    assert list(state) == list(job.model().state_dict())
+    assert set(optim) == {n for n, _ in job.model().named_parameters()} and all("exp_avg" in v for v in optim.values())
+    meta = pipe.state_meta()
+    assert all(meta[k].shape == v.shape and meta[k].device.type == "meta" for k, v in state.items())
+    pipe.load_state_dict({k: torch.zeros_like(v) for k, v in state.items()})
+    assert all(not v.any() for v in pipe.state_dict().values())
+    pipe.close()
+
+
+def test_clipping_and_the_learning_rate_reach_every_stage(job):
+    clipped = dataclasses.replace(job, clip_grad_norm=1e-3,
+                                  scheduler=(torch.optim.lr_scheduler.StepLR, {"step_size": 1, "gamma": 0.5}))
+    data = batches(2)
+    torch.manual_seed(job.seed)
+    model = job.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    norms = []
+    for x, y in data:
+        opt.zero_grad()
+        job.loss(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+        opt.step()
+        sched.step()
+    pipe = rpcmp.Pipeline(clipped, world_size=1)
+    got = []
+    for x, y in data:
+        pipe.train_step(x, y)
+        got.append(pipe.last_grad_norm)
+    assert_close_f32(got, [n.item() for n in norms])
+    assert_close_f32(pipe.state_dict(), model.state_dict())
+    assert pipe.learning_rates() == [0.025] and pipe.lr == 0.025
+    pipe.close()
+
+
+def test_a_failed_micro_batch_leaves_the_pipeline_ready_for_the_next_step(job):
+    pipe = rpcmp.Pipeline(job, world_size=1, microbatches=2)
+    with pytest.raises(rpcmp.StageError, match=r"stage 0 \(.*\) on master/cpu failed on micro-batch 0: RuntimeError"):
+        pipe.train_step(torch.randn(8, 5), torch.randn(8, 8))  # 5 features where the model takes 16
+    assert len(current().inbox) == 0
+    x, y = batches(1)[0]
+    assert torch.isfinite(pipe.train_step(x, y))
+    pipe.close()
+
+
+def test_a_run_stopped_and_resumed_ends_where_an_uninterrupted_run_ends(job, tmp_path):
+    quiet = rpcmp_console()
+    common = dict(epochs=1, checkpoint_every=2, data=job.data)
+    whole = fit(dataclasses.replace(job, max_steps=5, checkpoint_dir=str(tmp_path / "a"), **common), 1, quiet)
+    whole_state = _checkpoint_state(tmp_path / "a")
+    first = fit(dataclasses.replace(job, max_steps=3, checkpoint_dir=str(tmp_path / "b"), **common), 1, quiet)
+    serve(job)
+    rest = fit(dataclasses.replace(job, max_steps=5, checkpoint_dir=str(tmp_path / "b"), resume=True, **common), 1, quiet)
+    assert first["steps"] == 3 and rest["steps"] == 5
+    assert_close_f32(first["losses"] + rest["losses"], whole["losses"], rtol=0, atol=0)
+    assert_close_f32(_checkpoint_state(tmp_path / "b"), whole_state, rtol=0, atol=0)
+
+
+def rpcmp_console():
+    from rich.console import Console
+    return Console(quiet=True)
+
+
+def _checkpoint_state(folder):
+    from rpcmp.checkpoint import load_checkpoint
+    return load_checkpoint(str(folder))["model"]
