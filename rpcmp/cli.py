@@ -205,14 +205,16 @@ def plan(job_file, world_size, overrides):
     from .microbatch import tensors
     from .partition import build_stage, plan_stages
     from .placement import resolve_placement
+    from .replicas import grid_placement
     from .data import first_batch, needs_sample
     from .microbatch import scatter
     job = load_job(job_file, overrides=overrides)
     batch = first_batch(job)
     specs = plan_stages(job, batch if needs_sample(job) else None)
     flow = scatter(batch, job.microbatches)[0] if batch is not None else None  # one micro-batch, through the stages
-    world_size = world_size or len(specs) + 1
-    places = resolve_placement(job.placement, len(specs), world_size)
+    world_size = world_size or job.replicas * len(specs) + 1
+    grid = grid_placement(job, world_size, len(specs)) if job.replicas > 1 else None
+    places = grid[0] if grid else resolve_placement(job.placement, len(specs), world_size)
     cls, kwargs = job.optimizer
     states = _optimizer_states(cls, kwargs)
     table = Table(title=f"{job_file}: {len(specs)} stages on {world_size} processes, "
@@ -241,7 +243,22 @@ def plan(job_file, world_size, overrides):
                      f"what the stage sends on (its gradient comes back the same size), shapes from the meta device")
     console = Console()
     Console(width=max(console.width, 140)).print(table)  # a piped plan keeps whole stage names
+    if grid:
+        Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid))
     Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch"))
+
+
+def _grid_table(job, specs, grid) -> Table:
+    """Which process holds each copy of each stage (``Job(replicas=R)``)."""
+    table = Table(title=f"{job.replicas} replicas x {len(specs)} stages: each replica trains on "
+                        f"{job.batch_size // job.replicas} samples of every {job.batch_size}-sample batch")
+    table.add_column("replica")
+    for spec in specs:
+        table.add_column(f"stage {spec.index} {spec.name}")
+    for r, row in enumerate(grid):
+        table.add_row(str(r), *(str(p) for p in row))
+    table.caption = "the copies of a stage (a column) average their gradients in one process group before each step"
+    return table
 
 
 def _schedule_table(job, stages: int, whole_batch: bool) -> Table:

@@ -108,10 +108,10 @@ class PipelineEngine:
 
     def epoch_metrics(self) -> dict:
         stats = self.pipe.stats()
-        return {"stages": [{"stage": s.index, "name": s.name, "owner": str(p), "forward_s": st["compute_s"],
+        return {"stages": [{"stage": s.index, "name": s.name, "owner": str(p), "replica": r, "forward_s": st["compute_s"],
                             "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"], "wall_s": st["wall_s"],
                             "process_cpu_s": st["process_cpu_s"], "mib_in": st["mib_in"], "mib_out": st["mib_out"]}
-                           for s, p, st in zip(self.pipe.specs, self.pipe.places, stats)]}
+                           for (r, s, p), st in zip(self.pipe.rows, stats)]}
 
     def rng_state(self):
         return self.pipe.rng_state()
@@ -143,6 +143,9 @@ class PipelineEngine:
     def describe(self) -> str:
         pipe = self.pipe
         text = ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
+                + (f"   x {self.job.replicas} replicas: " + "  ".join(
+                    f"{s.index}@" + ",".join(str(row[s.index]) for row in pipe.grid) for s in pipe.specs)
+                   if self.job.replicas > 1 else "")
                 + f"   micro-batches: {pipe.batch_chunks}, schedule {pipe.schedule}, precision {self.job.precision}")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
             text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
@@ -160,9 +163,10 @@ class PipelineEngine:
         cols = ("stage", "owner", "micro-batches", "forward s", "busy", "MiB in", "MiB out", "peak RSS MiB")
         for col in cols:
             table.add_column(col, justify="left" if col in ("stage", "owner") else "right")
-        for spec, place, st in zip(self.pipe.specs, self.pipe.places, self.pipe.stats()):
+        for (replica, spec, place), st in zip(self.pipe.rows, self.pipe.stats()):
             busy = st["process_cpu_s"] / max(st["wall_s"], 1e-9) / max(torch.get_num_threads(), 1)
-            table.add_row(f"{spec.index} {spec.name}", str(place), str(int(st["runs"])), f"{st['compute_s']:.2f}",
+            name = f"{spec.index} {spec.name}" + (f" (replica {replica})" if self.job.replicas > 1 else "")
+            table.add_row(name, str(place), str(int(st["runs"])), f"{st['compute_s']:.2f}",
                           f"{busy:.0%}", f"{st['mib_in']:.1f}", f"{st['mib_out']:.1f}", f"{st['peak_rss_mib']:.0f}")
         console.print(table)
 

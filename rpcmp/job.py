@@ -98,6 +98,8 @@ class Job:
             raise JobError(f"Job.batch_size ({self.batch_size}) is the global batch, split over {self.replicas} replicas "
                            f"into {self.microbatches} micro-batches each: make it a multiple of {self.replicas} of at "
                            f"least {self.replicas * self.microbatches}")
+        if self.replicas > 1 and self.trace_file:
+            raise JobError("Job.trace_file draws the timeline of one pipeline: trace with replicas=1 (the copies run alike)")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise JobError(f"Job.checkpoint_every must be 0 (every epoch) or a positive step count, got {self.checkpoint_every!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 1:

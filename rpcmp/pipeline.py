@@ -333,6 +333,11 @@ class Pipeline(PipelineState):
         answering, if one did (see :func:`rpcmp.health.explain`)."""
         return health.explain(exc, set(self._owners), self.status)
 
+    @property
+    def rows(self) -> list[tuple[int, StageSpec, Place]]:
+        """(replica, stage, place) of every stage, for the run's summary (one replica here)."""
+        return [(0, s, p) for s, p in zip(self.specs, self.places)]
+
     def _held(self) -> dict[str, list[StageSpec]]:
         """The stages each process owns, in order."""
         held: dict[str, list[StageSpec]] = {}

@@ -88,7 +88,7 @@ class PipelineState:
     def load_rng_state(self, saved: dict[str, Any] | None) -> bool:
         """Restore every process's RNG if each process holds the same stages as when saved
         (same split and placement); return whether it did."""
-        if not saved or saved["stages"] != self._stage_map():
+        if not saved or saved.get("stages") != self._stage_map():  # another split, placement or replica count
             return False
         wait_all([rpc.rpc_async(o, stage_state.set_rng_state, args=(saved["processes"][o],)) for o in self._rng_owners()])
         return True

@@ -30,7 +30,9 @@ def _alive(pid):
 
 
 MODES = {"pipeline": (["--local", "3"], 2, "worker1 (stage 0 layers[0:3])"),
-         "ddp": (["--local", "2", "--mode", "ddp"], 1, "worker1 (DDP replica)")}
+         "ddp": (["--local", "2", "--mode", "ddp"], 1, "worker1 (DDP replica)"),
+         # 2 replicas x 2 stages: the copy of stage 0 in replica 1 waits in its all_reduce for the lost one
+         "replicas": (["--local", "5", "--replicas", "2"], 4, "worker1 (replica 0 stage 0 layers[0:3])")}
 
 
 @pytest.mark.timeout(180)
