@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rpcmp-installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test bench gpu-check lint clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ test: install
 bench: install
 	$(PY) benchmarks/bench.py
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/grid.py
+
+# The CUDA paths and their timings on this machine's GPU; says "no CUDA device: skipped" without one.
+gpu-check: install
+	$(PY) tests/gpu/check.py
 
 lint: install
 	$(PY) -m pip install -q ruff

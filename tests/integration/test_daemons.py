@@ -166,31 +166,36 @@ def test_a_daemon_refuses_every_forged_offer_stays_up_and_then_serves_an_honest_
 
 
 @pytest.mark.timeout(300)
-def test_ddp_through_daemons_equals_a_local_ddp_run(tmp_path):
+@pytest.mark.parametrize("args,workers,says", [
+    (["--mode", "ddp", "--batch-size", "12"], 2, "DDP on 3 ranks"),
+    (["--replicas", "2", "--batch-size", "8"], 4, "x 2 replicas: 0@worker1/cpu,worker2/cpu"),  # 2 x 2 grid
+], ids=["ddp", "replicas"])
+def test_daemons_run_ddp_and_replicas_equal_to_a_local_run(tmp_path, args, workers, says):
     from helpers import assert_close_f32
     from rpcmp.checkpoint import load_checkpoint
     port = free_port()
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    args = ["--mode", "ddp", "--batch-size", "12", "--max-steps", "6"]
+    args = [*args, "--max-steps", "6"]
     log = open(tmp_path / "daemons.log", "w")
     daemons = [subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", str(r),
                                  "--token-file", str(token)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True) for r in (1, 2)]
+                                start_new_session=True) for r in range(1, workers + 1)]
     try:
-        out, _ = _master(port, token, *args, "--checkpoint-dir", str(tmp_path / "daemons")).communicate(timeout=150)
-        assert "DDP on 3 ranks" in out and "steps 6" in out, out
-        _wait_log(tmp_path / "daemons.log", "ended (exit 0)", 2)  # both daemon ranks trained and ended normally
+        out, _ = _master(port, token, *args, "--checkpoint-dir", str(tmp_path / "daemons"), workers=workers,
+                         env={**os.environ, "COLUMNS": "200"}).communicate(timeout=150)
+        assert says in out and "steps 6" in out, out
+        _wait_log(tmp_path / "daemons.log", "ended (exit 0)", workers)  # every daemon rank trained and ended normally
     finally:
         for d in daemons:
             if d.poll() is None:
                 os.killpg(d.pid, signal.SIGKILL)
         log.close()
-    local = subprocess.run([RPCMP, "run", job_path("mlp"), "--local", "3", *args, "--checkpoint-dir", str(tmp_path / "local")],
-                           capture_output=True, text=True, timeout=150)
+    local = subprocess.run([RPCMP, "run", job_path("mlp"), "--local", str(workers + 1), *args,
+                            "--checkpoint-dir", str(tmp_path / "local")], capture_output=True, text=True, timeout=150)
     assert local.returncode == 0, local.stdout + local.stderr
     a, b = load_checkpoint(str(tmp_path / "daemons")), load_checkpoint(str(tmp_path / "local"))
-    assert a["mode"] == b["mode"] == "ddp" and a["step"] == b["step"] == 6
+    assert a["mode"] == b["mode"] and a["step"] == b["step"] == 6
     assert_close_f32(a["model"], b["model"])
 
 

@@ -32,8 +32,9 @@ NETNS_SKIP = _netns_ok()
 needs_netns = pytest.mark.skipif(NETNS_SKIP is not None, reason=f"network namespaces: {NETNS_SKIP}")
 
 
-def _cluster(tmp_path, *job_args, env=None, limit=400):
-    proc = subprocess.run(["bash", SCRIPT, "--timeout", str(limit - 60), "--logs", str(tmp_path), "--", *job_args],
+def _cluster(tmp_path, *job_args, env=None, limit=400, nodes=3):
+    proc = subprocess.run(["bash", SCRIPT, "--nodes", str(nodes), "--timeout", str(limit - 60), "--logs", str(tmp_path),
+                           "--", *job_args],
                           capture_output=True, text=True, timeout=limit,
                           env={**os.environ, "PYTHON": sys.executable, "COLUMNS": "160", **(env or {})})
     logs = "".join(open(os.path.join(tmp_path, f)).read() for f in sorted(os.listdir(tmp_path)) if f.endswith(".log"))
@@ -195,3 +196,20 @@ def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_unin
     a, b = load_checkpoint(str(clean)), load_checkpoint(str(faulty))
     assert a["step"] == b["step"] == steps
     assert_close_f32(b["model"], a["model"])
+
+
+@needs_netns
+@pytest.mark.timeout(420)
+def test_two_replicas_of_two_stages_on_four_namespaced_nodes_equal_a_local_run(tmp_path):
+    from helpers import assert_close_f32, run_ranks
+    from rpcmp.checkpoint import load_checkpoint
+    os.makedirs(tmp_path / "logs")
+    proc, logs = _cluster(tmp_path / "logs", os.path.join(ROOT, "tests", "jobs", "mlp.py"), "--replicas", "2",
+                          "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "cluster"), nodes=4)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + logs
+    assert all(f"node{i}: exit 0" in proc.stdout for i in range(4)), proc.stdout
+    assert "x 2 replicas: 0@master/cpu,worker1/cpu  1@worker2/cpu,worker3/cpu" in proc.stdout, proc.stdout
+    local = run_ranks("mlp", 4, _fit_steps, {"replicas": 2, "max_steps": 6, "checkpoint_dir": str(tmp_path / "local")},
+                      timeout=240)
+    assert local == 6
+    assert_close_f32(load_checkpoint(str(tmp_path / "cluster"))["model"], load_checkpoint(str(tmp_path / "local"))["model"])

@@ -1,0 +1,93 @@
+"""Pipeline x data parallel against its neighbours: the same 4 processes (1 thread each, the same
+cores) as 2 replicas x 2 stages, as 1 pipeline of 4 stages, and as DDP on 4 ranks, on the MLP
+and the split Unet of bench.py, the same global batch. Part of ``make bench``.
+
+    .venv/bin/python benchmarks/grid.py [--out FILE]
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import rpcmp
+from rpcmp.local import launch_local
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "jobs"))
+from bench import ROUNDS, median_time, mlp_data, unet_data  # noqa: E402
+
+JOBS = {"mlp": os.path.join(HERE, "jobs", "mlp.py"), "unet": os.path.join(HERE, "jobs", "unet.py")}
+DATA = {"mlp": mlp_data, "unet": unet_data}
+LAYOUTS = {  # name -> overrides of the bench job, per model
+    "2 replicas x 2 stages": {"mlp": {"replicas": 2, "placement": "auto"},
+                              "unet": {"replicas": 2, "stages": rpcmp.SplitAt("decoder")}},
+    "1 x 4 stages": {"mlp": {"stages": rpcmp.Split([4, 4, 4, 4]), "placement": "auto"},
+                     "unet": {"stages": rpcmp.SplitAt("encoder.layer3", "decoder", "segmentation_head")}},
+    "DDP on 4 ranks": {"mlp": {"mode": "ddp"}, "unet": {"mode": "ddp"}},
+}
+
+
+def _time(kind):
+    def main(job, world_size):
+        x, y = DATA[kind]()
+        if job.mode == "ddp":
+            from rpcmp.ddp import DDPEngine
+            engine = DDPEngine(job)
+            rank = torch.distributed.get_rank()
+            return median_time(lambda: engine.train_step([(x[rank::world_size], y[rank::world_size])]))
+        from functools import partial
+        from rpcmp.replicas import Replicated
+        pipeline = partial(rpcmp.Pipeline, sample=x)  # the bench jobs have no data: SplitAt traces this batch
+        pipe = Replicated(job, world_size, pipeline) if job.replicas > 1 else pipeline(job, world_size)
+        return median_time(lambda: pipe.train_step(x, y))
+    return main
+
+
+def _mlp(job, world_size):
+    return _time("mlp")(job, world_size)
+
+
+def _unet(job, world_size):
+    return _time("unet")(job, world_size)
+
+
+@click.command()
+@click.option("--out", default="bench-results/grid.json", show_default=True)
+def main(out):
+    console = Console()
+    console.print(f"[bold]4 processes, 1 thread each, on this machine's cores: 2 replicas x 2 stages vs 1 x 4 stages vs "
+                  f"DDP on 4; MLP batch 256, split Unet batch 16 of 1x128x128, M=4 (M=2 per replica); median step, "
+                  f"{ROUNDS} alternating launches")
+    res = {}
+    for kind, fn in (("mlp", _mlp), ("unet", _unet)):
+        rounds = []
+        for _ in range(ROUNDS):
+            rounds.append({name: launch_local(JOBS[kind], 4, fn, master_in_process=False,
+                                              overrides={"threads": 1, "microbatches": 2 if "replicas" in o[kind] else 4,
+                                                         **o[kind]})
+                           for name, o in LAYOUTS.items()})
+        res[kind] = {name: statistics.median(r[name] for r in rounds) for name in LAYOUTS}
+        res[f"{kind}_rounds"] = rounds
+    table = Table(title="pipeline x data parallel: ms per step, same 4 processes")
+    table.add_column("layout")
+    for kind in ("mlp", "unet"):
+        table.add_column(kind, justify="right")
+    for name in LAYOUTS:
+        table.add_row(name, *(f"{res[k][name] * 1e3:.0f}" for k in ("mlp", "unet")))
+    console.print(table)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The CUDA paths, proven where a GPU is: CUDA stages in separate processes (with and without
+TensorPipe device maps), Adam state of CUDA stages through a checkpoint and resume, DDP with
+NCCL and fp16 loss scaling, and replicas of CUDA stages. Skipped without CUDA; ``make gpu-check``
+runs them and prints a report (tests/gpu/check.py)."""
+import pytest
+import torch
+
+from helpers import assert_close_f32, batches, load, run_ranks, train_reference
+from rpcmp.checkpoint import load_checkpoint
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+ON_GPU = {"placement": ["worker1/cuda:0", "worker2/cuda:0"]}
+GPU_F32 = {"rtol": 1e-4, "atol": 1e-5}  # CUDA kernels sum in other orders than the CPU reference's
+
+
+def _steps(job, world_size):
+    pipe_losses = []
+    from rpcmp.engine import make_engine
+    engine = make_engine(job, world_size)
+    for x, y in batches(3, size=8):
+        pipe_losses.append(engine.pipe.train_step(x, y).item())
+    return pipe_losses, engine.pipe.state_dict()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("device_maps", [False, True])
+def test_cuda_stages_in_separate_processes_train_as_the_unsplit_model(device_maps):
+    job = load("mlp")
+    losses, state = run_ranks("mlp", 3, _steps, {**ON_GPU, "device_maps": device_maps, "microbatches": 2})
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, batches(3, size=8))
+    assert all(v.device.type == "cpu" for v in state.values())  # the consolidated state comes back on the CPU
+    assert_close_f32(losses, ref_losses, **GPU_F32)
+    assert_close_f32(state, ref_state, **GPU_F32)
+
+
+def _fit(job, world_size):
+    from rpcmp.trainer import fit
+    return fit(job, world_size)
+
+
+@pytest.mark.timeout(300)
+def test_adam_state_of_cuda_stages_survives_a_checkpoint_and_resume(tmp_path):
+    common = {**ON_GPU, "optimizer": (torch.optim.Adam, {"lr": 0.01}), "checkpoint_every": 2, "epochs": 1}
+    run_ranks("mlp", 3, _fit, {**common, "max_steps": 6, "checkpoint_dir": str(tmp_path / "whole")})
+    run_ranks("mlp", 3, _fit, {**common, "max_steps": 3, "checkpoint_dir": str(tmp_path / "cut")})
+    run_ranks("mlp", 3, _fit, {**common, "max_steps": 6, "resume": True, "checkpoint_dir": str(tmp_path / "cut")})
+    whole, resumed = load_checkpoint(str(tmp_path / "whole")), load_checkpoint(str(tmp_path / "cut"))
+    assert resumed["step"] == 6 and set(resumed["optimizer"]["state"]) == set(whole["optimizer"]["state"])
+    assert_close_f32(resumed["model"], whole["model"], **GPU_F32)
+
+
+@pytest.mark.timeout(240)
+def test_ddp_with_nccl_and_fp16_loss_scaling_trains(tmp_path):
+    out = run_ranks("mlp", 1, _fit, {"mode": "ddp", "precision": "fp16", "max_steps": 20, "epochs": 1,
+                                     "checkpoint_dir": str(tmp_path)})
+    ckpt = load_checkpoint(str(tmp_path))
+    assert out["losses"][-1] < out["losses"][0] and ckpt["loss_scale"] and ckpt["mode"] == "ddp"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs one GPU per copy of a stage: fewer than 2 GPUs")
+def test_replicas_of_cuda_stages_train_as_one_pipeline():
+    grid = {"replicas": 2, "microbatches": 2,
+            "placement": ["worker1/cuda:0", "worker3/cuda:0", "worker2/cuda:1", "worker4/cuda:1"]}
+    hybrid = run_ranks("mlp", 5, _steps, grid)
+    single = run_ranks("mlp", 3, _steps, {**ON_GPU, "microbatches": 2})
+    assert_close_f32(hybrid, single, **GPU_F32)
