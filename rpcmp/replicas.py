@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from .errors import PlacementError
-from .microbatch import batch_size, gather
+from .microbatch import batch_size
 from .partition import Split, SplitAt
 from .placement import Place, process_name, resolve_placement
 
@@ -203,9 +203,6 @@ class Replicated:
         copies = min(self.copies, batch_size(x))
         parts = self._all(lambda i, p: p.predict(shard(x, i, copies)) if i < copies else None)
         return unshard(parts[:copies])
-
-    def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any:
-        return gather([self.pipes[0].forward(x, grad, chunks)])
 
     def train(self, mode: bool = True) -> "Replicated":
         self._all(lambda i, p: p.train(mode))

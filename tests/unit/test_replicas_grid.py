@@ -1,0 +1,80 @@
+"""Job(replicas=R) without processes: the grid, the shares of a batch, the meeting point, the refusals."""
+import threading
+
+import pytest
+import torch
+
+import rpcmp
+from rpcmp.errors import JobError, PlacementError
+from rpcmp.placement import Place
+from rpcmp.replicas import ReplicaSync, grid_placement, shard, unshard
+
+
+def _job(**kw):
+    return rpcmp.Job(model=lambda: torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
+                     stages=rpcmp.Split([1, 1]), batch_size=8, **kw)
+
+
+def test_auto_keeps_a_stages_copies_on_consecutive_ranks_and_a_copys_stages_apart():
+    grid = grid_placement(_job(replicas=2), world_size=5)
+    assert [[p.process for p in row] for row in grid] == [["worker1", "worker3"], ["worker2", "worker4"]]
+    grid = grid_placement(_job(replicas=2), world_size=4)  # exactly R x S: the master holds a copy
+    assert [[p.process for p in row] for row in grid] == [["master", "worker2"], ["worker1", "worker3"]]
+    with pytest.raises(PlacementError, match=r"2 replicas x 2 stages need 4 processes \(or 5: .*got 3"):
+        grid_placement(_job(replicas=2), world_size=3)
+
+
+def test_an_explicit_grid_is_listed_copy_by_copy_and_copies_of_a_stage_need_their_own_processes():
+    job = _job(replicas=2, placement=["worker1/cpu", "worker2/cpu", "worker3/cpu", "worker4/cpu"])
+    assert grid_placement(job, 5) == [[Place("worker1"), Place("worker2")], [Place("worker3"), Place("worker4")]]
+    with pytest.raises(PlacementError, match="4 'process/device' entries"):
+        grid_placement(_job(replicas=2, placement=["worker1", "worker2"]), 5)
+    with pytest.raises(PlacementError, match=r"the 2 copies of stage 0 must be on 2 different processes.*'worker1', 'worker1'"):
+        grid_placement(_job(replicas=2, placement=["worker1", "worker2", "worker1", "worker3"]), 5)
+
+
+def test_shares_are_what_distributed_samplers_hand_out_and_weave_back_in_order():
+    x = {"image": torch.arange(12).reshape(6, 2), "id": torch.arange(6), "tag": "batch"}
+    parts = [shard(x, r, 3) for r in range(3)]
+    assert parts[1]["id"].tolist() == [1, 4] and parts[2]["image"].tolist() == [[4, 5], [10, 11]] and parts[0]["tag"] == "batch"
+    back = unshard(parts)
+    assert torch.equal(back["image"], x["image"]) and torch.equal(back["id"], x["id"])
+    assert torch.equal(unshard([torch.arange(3), torch.arange(3, 5)]), torch.tensor([0, 3, 1, 4, 2]))  # uneven shares
+
+
+def test_the_copies_leave_the_meeting_with_the_mean_loss_or_all_stop_when_one_fails():
+    sync, out = ReplicaSync(2, timeout=10), [None, None]
+
+    def meet(i):
+        out[i] = sync.meet(i, torch.tensor(float(i + 1)))
+    threads = [threading.Thread(target=meet, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert out[0].item() == out[1].item() == 1.5
+    sync.reset()
+    waiting = threading.Thread(target=lambda: out.__setitem__(0, _broken(sync)))
+    waiting.start()
+    sync.abort()  # the other copy failed before it got here
+    waiting.join(10)
+    assert out[0] == "broken"
+
+
+def _broken(sync):
+    try:
+        sync.meet(0, torch.tensor(1.0))
+    except threading.BrokenBarrierError:
+        return "broken"
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"replicas": 3}, r"batch_size \(8\) is the global batch, split over 3 replicas"),
+    ({"replicas": 2, "microbatches": 8}, r"make it a multiple of 2 of at least 16"),
+    ({"replicas": 2, "mode": "ddp"}, "DDP mode copies the whole model"),
+    ({"replicas": 2, "trace_file": "t.json"}, "trace with replicas=1"),
+    ({"replicas": 0}, "Job.replicas must be a positive integer"),
+])
+def test_a_job_with_replicas_it_cannot_run_is_refused_with_what_to_change(fields, match):
+    with pytest.raises(JobError, match=match):
+        _job(**fields)
