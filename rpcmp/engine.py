@@ -160,14 +160,16 @@ class PipelineEngine:
         table = Table(title="rpcmp run: stages", show_header=True,
                       caption="busy: the owner process's CPU time over the stage's lifetime (1 thread: 100% = never "
                               "waiting); MiB in/out: activations received/sent, gradients travel back the same")
-        cols = ("stage", "owner", "micro-batches", "forward s", "busy", "MiB in", "MiB out", "peak RSS MiB")
+        grid = self.job.replicas > 1
+        cols = ("replica",) * grid + ("stage", "owner", "micro-batches", "forward s", "busy", "MiB in", "MiB out",
+                                      "peak RSS MiB")
         for col in cols:
             table.add_column(col, justify="left" if col in ("stage", "owner") else "right")
         for (replica, spec, place), st in zip(self.pipe.rows, self.pipe.stats()):
             busy = st["process_cpu_s"] / max(st["wall_s"], 1e-9) / max(torch.get_num_threads(), 1)
-            name = f"{spec.index} {spec.name}" + (f" (replica {replica})" if self.job.replicas > 1 else "")
-            table.add_row(name, str(place), str(int(st["runs"])), f"{st['compute_s']:.2f}",
-                          f"{busy:.0%}", f"{st['mib_in']:.1f}", f"{st['mib_out']:.1f}", f"{st['peak_rss_mib']:.0f}")
+            table.add_row(*(str(replica),) * grid, f"{spec.index} {spec.name}", str(place), str(int(st["runs"])),
+                          f"{st['compute_s']:.2f}", f"{busy:.0%}", f"{st['mib_in']:.1f}", f"{st['mib_out']:.1f}",
+                          f"{st['peak_rss_mib']:.0f}")
         console.print(table)
 
 

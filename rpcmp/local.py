@@ -18,6 +18,7 @@ from .errors import LaunchError, RunAbortedError
 from .job import Job, load_job
 from .network import bound_store
 from .placement import process_name
+from .replicas import grid_placement
 from .runtime import free_port, run_rank
 
 __all__ = ["launch_local"]
@@ -42,7 +43,9 @@ def _local_child(job_path, rank, world_size, port, overrides, main, results, par
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
     try:
         try:
-            load_job(job_path, overrides=overrides)  # fails here, not in the RPC rendezvous: see _wait_started
+            job = load_job(job_path, overrides=overrides)  # fails here, not in the RPC rendezvous: see _wait_started
+            if job.replicas > 1:
+                grid_placement(job, world_size)  # a grid the world cannot hold, said once by the parent
         except Exception as exc:  # noqa: BLE001 - reported by the parent, once
             started.put((rank, f"{type(exc).__name__}: {exc}"))
             sys.exit(1)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from .errors import PlacementError
+from .errors import JobError, PlacementError
 from .microbatch import batch_size
 from .partition import Split, SplitAt
 from .placement import Place, process_name, resolve_placement
@@ -177,6 +177,10 @@ class Replicated:
 
     def train_step(self, x: Any, y: Any, chunks: int | None = None) -> torch.Tensor:
         """One optimizer step of every copy, each on its share of ``(x, y)``; the mean loss over the copies."""
+        if batch_size(x) % self.copies:
+            raise JobError(f"a batch of {batch_size(x)} samples does not split evenly over {self.copies} replicas (each "
+                           f"copy's loss is the mean over its share, and the copies' gradients are averaged): give "
+                           f"batches of a multiple of {self.copies} samples")
         self.sync.reset()
 
         def step(i, pipe):

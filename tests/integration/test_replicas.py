@@ -23,6 +23,11 @@ def _pipeline_steps(job, world_size):
         engine = make_engine(dataclasses.replace(job, optimizer=optimizer), world_size)
         losses = [engine.pipe.train_step(x, y).item() for x, y in batches(3, size=8)]
         out[name] = (losses, engine.pipe.state_dict())
+        if job.replicas > 1 and name == "adam":
+            try:
+                engine.pipe.train_step(torch.randn(7, 16), torch.randn(7, 8))
+            except Exception as exc:  # noqa: BLE001 - what the test checks
+                out["uneven"] = f"{type(exc).__name__}: {exc}"
         engine.pipe.close()
     return out
 
@@ -45,6 +50,7 @@ def test_two_replicas_of_two_stages_train_as_one_pipeline_and_as_ddp_on_two_rank
     hybrid = run_ranks("mlp", 5, _pipeline_steps, {"replicas": 2, "microbatches": 2})
     single = run_ranks("mlp", 3, _pipeline_steps, {"microbatches": 2})
     ddp = run_ranks("mlp", 2, _ddp_steps, {"mode": "ddp"})
+    assert hybrid.pop("uneven").startswith("JobError: a batch of 7 samples does not split evenly over 2 replicas")
     for name in OPTIMIZERS:
         assert_close_f32(hybrid[name], single[name])  # losses (the mean over the copies) and parameters
         assert_close_f32(hybrid[name], ddp[name])
