@@ -40,9 +40,11 @@ def predict_local(job, checkpoint: str, out_dir: str, images: int) -> dict[str, 
 def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: int) -> dict[str, Any]:
     """The same through the job's stages on ``world_size`` processes (run as the master)."""
     from .pipeline import Pipeline
+    from .replicas import Replicated
     ckpt = load_checkpoint(checkpoint)
     status = RunStatus(task=f"predicting with {ckpt['path']}")
-    pipe = Pipeline(job, world_size, status=status)
+    pipe = (Replicated(job, world_size, Pipeline, status=status) if job.replicas > 1  # each copy predicts a share
+            else Pipeline(job, world_size, status=status))
     try:
         with health.explained(pipe.explain):
             check_model_keys(ckpt, pipe.state_meta(), f"the model of {job.source}")

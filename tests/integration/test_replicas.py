@@ -73,3 +73,17 @@ def test_a_checkpoint_is_written_once_and_resumes_under_another_replica_count(tm
     assert_close_f32(load_checkpoint(str(tmp_path / "grid"))["model"], load_checkpoint(str(tmp_path / "one"))["model"])
     # the held-out metric is over every sample, whichever copy computed it
     assert_close_f32(first["metric_before"], whole["metric_before"])
+    # prediction through the copies: each predicts a share, the outputs come back in the held-out order
+    from helpers import load
+    from rpcmp.predict import predict_local
+    shared = run_ranks("mlp", 5, _predict, {"replicas": 2, "checkpoint_dir": str(tmp_path / "grid")})
+    alone = predict_local(load("mlp"), str(tmp_path / "grid"), str(tmp_path / "alone"), 0)
+    assert_close_f32(torch.load(os.path.join(shared["out_dir"], "predictions.pt")),
+                     torch.load(os.path.join(tmp_path / "alone", "predictions.pt")))
+    assert_close_f32(shared["metric"], alone["metric"])
+
+
+def _predict(job, world_size):
+    from rpcmp.predict import predict_split
+    out_dir = os.path.join(job.checkpoint_dir, "shared")
+    return {**predict_split(job, world_size, job.checkpoint_dir, out_dir, 0), "out_dir": out_dir}
