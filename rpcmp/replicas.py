@@ -16,9 +16,17 @@ that failed earlier in the step leaves nobody inside an ``all_reduce``.
 Each copy's loss is the mean over its own share, so the averaged gradient is the
 gradient of the mean over the global batch, as with one copy (the float sums differ in
 order, so equal at float32 tolerance, not bit-equal). BatchNorm sees each copy's share,
-as in DDP mode without SyncBatchNorm. The averaging waits for the whole backward: it is
-not overlapped with it (one collective per stage and step; figures in
-benchmarks/PERFORMANCE.md).
+as in DDP mode without SyncBatchNorm. One master drives every copy (rather than a master
+per copy) so that there is one data order, one checkpoint writer and one place that names a
+lost process; its cost is a thread per copy on the master.
+
+The averaging waits for the whole backward: it is not overlapped with it (one collective
+per stage and step; figures in benchmarks/PERFORMANCE.md). An owner can learn when its own
+part of a backward has ended (a hook on the stage's output that queues an autograd engine
+callback fires after the stage's gradients are in the context, checked), so a stage late in
+the pipeline could start its all_reduce while earlier stages still compute; with a context
+per micro-batch (the default schedules) the step's gradients are only final after the last
+merge, which the master orders, so that would need the owners to merge on their own.
 
 The grid (:func:`grid_placement`): with ``placement="auto"`` the copies of stage k sit on
 consecutive ranks (under torchrun: one node, which keeps their all_reduce on the node) and
