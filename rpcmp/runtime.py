@@ -194,7 +194,11 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
 # worker whether the run ended normally (rpcmp.served.Served.outcome); a worker that was not
 # told so exits 1.
 def _outcome(ok: bool) -> None:
-    current().outcome = ok
+    served = current()
+    served.outcome = ok
+    # The rendezvous store of a run through worker daemons lives in the master's process: leave the
+    # stage groups while it is up (a destroy after the master left waited for it until killed).
+    leave_stage_groups(served)
 
 
 def _tell_outcome(workers: list[str], ok: bool) -> None:

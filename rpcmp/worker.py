@@ -211,12 +211,14 @@ def serve_forever(master: str, rank: int, token: str, poll: float = 1.0) -> None
         if job is None:
             continue
         _log(f"job {job['id'][:8]}: serving rank {rank} of {job['world_size']}")
-        proc = mp.get_context("spawn").Process(
+        ctx = mp.get_context("spawn")
+        finished = ctx.Event()
+        proc = ctx.Process(
             target=_serve_job, args=(job["path"], rank, job["world_size"], host,
-                                     job["rpc_port"], job["overrides"] or None), name=f"rpcmp-job-{job['id'][:8]}")
+                                     job["rpc_port"], job["overrides"] or None, finished), name=f"rpcmp-job-{job['id'][:8]}")
         child[0] = proc
         proc.start()
-        _supervise(proc, host, port + 1, job["id"])
+        _supervise(proc, host, port + 1, job["id"], finished)
         child[0] = None
         _log(f"job {job['id'][:8]}: ended (exit {proc.exitcode}); waiting for the next job")
     _log("worker daemon stopped")
@@ -250,18 +252,22 @@ def _accept(store, raw: bytes, rank: int, token: str, host: str) -> dict | None:
     return job
 
 
-def _supervise(proc, host: str, offer_port: int, job_id: str, grace: int = 3) -> None:
+def _supervise(proc, host: str, offer_port: int, job_id: str, finished, grace: int = 3, exiting: float = 60.0) -> None:
     """Wait for the job's process; end it if its master is gone.
 
     The master is gone when its offer port stops answering or offers another job (a new
     master took the port). A master that dies during the RPC rendezvous would otherwise
     leave the job's process waiting out the rendezvous timeout while the next master
-    finds this daemon busy.
+    finds this daemon busy. A process whose job has ended (``finished``) is only leaving
+    (under load, a finished rank was seen still exiting 3 s after its master had gone): it gets
+    ``exiting`` seconds.
     """
     misses = 0
     while proc.is_alive():
         proc.join(1.0)
         misses = 0 if _current_job(host, offer_port) == job_id else misses + 1
+        if finished.is_set():
+            proc.join(exiting)
         if misses >= grace and proc.is_alive():
             _log("the master is gone: ending this job's process")
             proc.terminate()
@@ -298,7 +304,7 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
     return store, raw
 
 
-def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides) -> None:
+def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides, finished) -> None:
     from .errors import RpcmpError
     from .runtime import run_rank
     from .trainer import fit
@@ -306,6 +312,7 @@ def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, 
     try:
         # In DDP mode every rank trains (fit); in pipeline mode a worker serves its stages and fit is not called.
         run_rank(job_path, rank, world_size, fit, overrides, local_procs=1)
+        finished.set()
     except RpcmpError as exc:  # the daemon logs the exit code; say why once
         _log(f"{type(exc).__name__}: {exc}")
         sys.exit(1)
