@@ -61,8 +61,7 @@ from .served import current
 # The RPC endpoints the master calls (rpcmp.pipeline, rpcmp.executor, rpcmp.inbox); each finds
 # the stage it acts on in this process's rpcmp.served.Served.
 __all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "average_grads", "grad_sq_norm",
-           "scale_grads",
-           "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
+           "scale_grads", "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
 
 
 @dataclass
@@ -193,10 +192,10 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
     route = module.forward if spec.kind == "traced" else None  # see [Note: skip values go straight to their consumer]
     served.hosts[(pid, spec.index)] = StageHost(pid, spec, place, module, device, next_process, keep, timeout,
-                                           autocast, bool(options["recompute"]), owners=list(options["owners"]),
-                                           deliver=options["deliver"],
-                                           mail_in=tuple(route.mail_in) if route else (),
-                                           posts=bool(route.posts) if route else False)
+                                                autocast, bool(options["recompute"]), owners=list(options["owners"]),
+                                                deliver=options["deliver"],
+                                                mail_in=tuple(route.mail_in) if route else (),
+                                                posts=bool(route.posts) if route else False)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
 
 
