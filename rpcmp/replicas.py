@@ -78,6 +78,10 @@ def grid_placement(job, world_size: int, stages: int | None = None) -> list[list
         if len(set(copies)) < r:
             raise PlacementError(f"the {r} copies of stage {k} must be on {r} different processes (their gradients are "
                                  f"averaged in a process group), got {copies}")
+        kinds = {grid[i][k].device.split(":")[0] for i in range(r)}
+        if len(kinds) > 1:
+            raise PlacementError(f"the copies of stage {k} are on {sorted(str(grid[i][k]) for i in range(r))}: put them all "
+                                 f"on CUDA devices (averaged over NCCL) or all on the CPU (gloo)")
     return grid
 
 
@@ -89,8 +93,9 @@ def join_stage_groups(job, rank: int, world_size: int, served) -> None:
     timeout = timedelta(seconds=max(60.0, job.hang_timeout or 0))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    cuda = any(p.device.startswith("cuda") for row in grid for p in row)
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.PrefixStore(f"rpcmp/pg/{attempt}", store),
+    # The world's group is gloo whatever the devices (a master or a CPU stage has no GPU for NCCL);
+    # the groups of CUDA stages are NCCL's.
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"rpcmp/pg/{attempt}", store),
                             rank=rank, world_size=world_size, timeout=timeout)
     groups = {}
     for k in range(len(grid[0])):

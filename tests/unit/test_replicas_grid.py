@@ -31,6 +31,8 @@ def test_an_explicit_grid_is_listed_copy_by_copy_and_copies_of_a_stage_need_thei
         grid_placement(_job(replicas=2, placement=["worker1", "worker2"]), 5)
     with pytest.raises(PlacementError, match=r"the 2 copies of stage 0 must be on 2 different processes.*'worker1', 'worker1'"):
         grid_placement(_job(replicas=2, placement=["worker1", "worker2", "worker1", "worker3"]), 5)
+    with pytest.raises(PlacementError, match=r"copies of stage 1 are on \['worker2/cpu', 'worker4/cuda:0'\]: put them all on CUDA"):
+        grid_placement(_job(replicas=2, placement=["worker1", "worker2", "worker3", "worker4/cuda:0"]), 5)
 
 
 def test_shares_are_what_distributed_samplers_hand_out_and_weave_back_in_order():
