@@ -10,6 +10,7 @@ import json
 import os
 import statistics
 import sys
+from functools import partial
 
 import click
 import torch
@@ -35,28 +36,18 @@ LAYOUTS = {  # name -> overrides of the bench job, per model
 }
 
 
-def _time(kind):
-    def main(job, world_size):
-        x, y = DATA[kind]()
-        if job.mode == "ddp":
-            from rpcmp.ddp import DDPEngine
-            engine = DDPEngine(job)
-            rank = torch.distributed.get_rank()
-            return median_time(lambda: engine.train_step([(x[rank::world_size], y[rank::world_size])]))
-        from functools import partial
-        from rpcmp.replicas import Replicated
-        pipeline = partial(rpcmp.Pipeline, sample=x)  # the bench jobs have no data: SplitAt traces this batch
-        pipe = Replicated(job, world_size, pipeline) if job.replicas > 1 else pipeline(job, world_size)
-        return median_time(lambda: pipe.train_step(x, y))
-    return main
-
-
-def _mlp(job, world_size):
-    return _time("mlp")(job, world_size)
-
-
-def _unet(job, world_size):
-    return _time("unet")(job, world_size)
+def _steps(kind, job, world_size):
+    """Median step time of ``job`` (its mode and layout) on the model ``kind``'s bench batch."""
+    x, y = DATA[kind]()
+    if job.mode == "ddp":
+        from rpcmp.ddp import DDPEngine
+        engine = DDPEngine(job)
+        rank = torch.distributed.get_rank()
+        return median_time(lambda: engine.train_step([(x[rank::world_size], y[rank::world_size])]))
+    from rpcmp.replicas import Replicated
+    pipeline = partial(rpcmp.Pipeline, sample=x)  # the bench jobs have no data: SplitAt traces this batch
+    pipe = Replicated(job, world_size, pipeline) if job.replicas > 1 else pipeline(job, world_size)
+    return median_time(lambda: pipe.train_step(x, y))
 
 
 @click.command()
@@ -67,10 +58,10 @@ def main(out):
                   f"DDP on 4; MLP batch 256, split Unet batch 16 of 1x128x128, M=4 (M=2 per replica); median step, "
                   f"{ROUNDS} alternating launches")
     res = {}
-    for kind, fn in (("mlp", _mlp), ("unet", _unet)):
+    for kind in ("mlp", "unet"):
         rounds = []
         for _ in range(ROUNDS):
-            rounds.append({name: launch_local(JOBS[kind], 4, fn, master_in_process=False,
+            rounds.append({name: launch_local(JOBS[kind], 4, partial(_steps, kind), master_in_process=False,
                                               overrides={"threads": 1, "microbatches": 2 if "replicas" in o[kind] else 4,
                                                          **o[kind]})
                            for name, o in LAYOUTS.items()})

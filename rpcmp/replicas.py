@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from . import health
 from .errors import JobError, PlacementError
 from .microbatch import batch_size
 from .partition import Split, SplitAt
@@ -175,14 +176,16 @@ class Replicated:
         self.job, self.copies = job, job.replicas
         grid = grid_placement(job, world_size)
         self.sync = ReplicaSync(self.copies, timeout=max(job.rpc_timeout, job.hang_timeout or 0) * 4)
-        self.pipes = [pipeline_cls(job, world_size, places=grid[i], replica=(i, self.sync), status=status)
-                      for i in range(self.copies)]
+        self._threads = ThreadPoolExecutor(self.copies, thread_name_prefix="rpcmp-replica")
+        # The copies build at once: their stages are on different processes.
+        self.pipes = [f.result() for f in [self._threads.submit(pipeline_cls, job, world_size, places=grid[i],
+                                                                replica=(i, self.sync), status=status)
+                                           for i in range(self.copies)]]
         self.status = self.pipes[0].status
         self.status.stages = {}
         for i, pipe in enumerate(self.pipes):
             for owner, held in pipe._held().items():
                 self.status.stages.setdefault(owner, []).extend(f"replica {i} stage {s.index} {s.name}" for s in held)
-        self._threads = ThreadPoolExecutor(self.copies, thread_name_prefix="rpcmp-replica")
 
     # -- what differs: every copy works, on its share ------------------------------------
     def _all(self, fn) -> list:
@@ -301,7 +304,6 @@ class Replicated:
         return [(i, s, pl) for i, p in enumerate(self.pipes) for s, pl in zip(p.specs, p.places)]
 
     def explain(self, exc: BaseException) -> BaseException:
-        from . import health
         owners = {pl.process for p in self.pipes for pl in p.places}
         return health.explain(exc, owners, self.status)
 
