@@ -2,11 +2,12 @@
 alternating launches of the bench's own MLP (M=4) or split-Unet step.
 
     git worktree add /tmp/before <commit>
-    .venv/bin/python benchmarks/ab_trees.py /tmp/before . --rounds 4 [--job unet]
+    .venv/bin/python benchmarks/ab_trees.py /tmp/before . --rounds 4 [--job unet] [--replicas 2]
 
 Each launch runs in a fresh interpreter with ``PYTHONPATH`` set to its tree, so the tree's
 own ``rpcmp`` is the one imported (and the tree's own ``benchmarks/bench.py`` measures).
-The median over launches of each launch's median step time is reported.
+The median over launches of each launch's median step time is reported. ``--replicas 2``:
+the grid bench's 2 replicas x 2 stages layout instead (4 processes, 1 thread each, M=2).
 """
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ except ImportError:  # trees from before rpcmp/local.py
 
 def main(job, world):
     x, y = bench.mlp_data() if sys.argv[2] == "mlp" else bench.unet_data()
+    if job.replicas > 1:
+        from functools import partial
+        from rpcmp.replicas import Replicated
+        try:
+            pipe = Replicated(job, world, rpcmp.Pipeline, sample=x)
+        except TypeError:  # trees whose Replicated took a pipeline factory
+            pipe = Replicated(job, world, partial(rpcmp.Pipeline, sample=x))
+        return bench.median_time(lambda: pipe.train_step(x, y))
     try:
         pipe = rpcmp.Pipeline(job, world, microbatches=4, sample=x)  # SplitAt traces on it
     except TypeError:  # trees from before Pipeline(sample=...)
@@ -39,8 +48,12 @@ def main(job, world):
     return seconds
 
 if __name__ == "__main__":
+    overrides = {}
     world = 2 if sys.argv[2] == "mlp" else 3
-    print("RESULT", launch_local(sys.argv[3], world, main, master_in_process=False))
+    if len(sys.argv) > 4:  # the grid bench's 2 x 2 layout
+        world, overrides = 4, {"replicas": int(sys.argv[4]), "threads": 1, "microbatches": 2}
+        overrides.update({"placement": "auto"} if sys.argv[2] == "mlp" else {"stages": rpcmp.SplitAt("decoder")})
+    print("RESULT", launch_local(sys.argv[3], world, main, overrides=overrides, master_in_process=False))
 '''
 
 
@@ -49,7 +62,8 @@ if __name__ == "__main__":
 @click.option("--job", type=click.Choice(["mlp", "unet", "unet_cut"]), default="mlp", show_default=True,
               help="A job of this tree's benchmarks/jobs (unet_cut: the Unet cut inside its encoder, SplitAt).")
 @click.option("--rounds", type=int, default=4, show_default=True)
-def main(trees, job, rounds):
+@click.option("--replicas", type=int, default=1, show_default=True, help="2: 2 replicas x 2 stages on 4 processes.")
+def main(trees, job, rounds, replicas):
     times = {t: [] for t in trees}
     launcher = os.path.join(tempfile.mkdtemp(), "launch.py")  # a file: spawned children re-import the main module
     with open(launcher, "w") as f:
@@ -58,7 +72,8 @@ def main(trees, job, rounds):
         for tree in trees:
             tree_abs = os.path.abspath(tree)
             job_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", job + ".py")  # same in both
-            out = subprocess.run([sys.executable, launcher, tree_abs, "mlp" if job == "mlp" else "unet", job_file],
+            grid = [str(replicas)] if replicas > 1 else []
+            out = subprocess.run([sys.executable, launcher, tree_abs, "mlp" if job == "mlp" else "unet", job_file, *grid],
                                  capture_output=True, text=True,
                                  cwd=tree_abs, timeout=600, env={**os.environ, "PYTHONPATH": tree_abs})
             found = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]

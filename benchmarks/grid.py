@@ -45,8 +45,9 @@ def _steps(kind, job, world_size):
         rank = torch.distributed.get_rank()
         return median_time(lambda: engine.train_step([(x[rank::world_size], y[rank::world_size])]))
     from rpcmp.replicas import Replicated
-    pipeline = partial(rpcmp.Pipeline, sample=x)  # the bench jobs have no data: SplitAt traces this batch
-    pipe = Replicated(job, world_size, pipeline) if job.replicas > 1 else pipeline(job, world_size)
+    # the bench jobs have no data: SplitAt traces this batch
+    pipe = (Replicated(job, world_size, rpcmp.Pipeline, sample=x) if job.replicas > 1
+            else rpcmp.Pipeline(job, world_size, sample=x))
     return median_time(lambda: pipe.train_step(x, y))
 
 

@@ -18,7 +18,7 @@ import torch.distributed.rpc as rpc
 
 from . import inbox
 from . import stage
-from .futures import wait_all
+from .futures import raise_failures, wait_all
 from .microbatch import batch_size, has_tensors, map_tensors, scatter
 from .schedule import Plan, make_plan
 
@@ -34,6 +34,7 @@ def run_step(pipe, schedule: str, x: Any, y: Any, chunks: int) -> torch.Tensor:
 
 
 def _step_in_one_context(pipe, x: Any, y: Any, plan: Plan) -> torch.Tensor:
+    pipe._begin_reduce(0, 1, per_microbatch=False)
     with dist_autograd.context() as ctx:
         out = pipe.forward(x, grad=True, chunks=plan.microbatches)
         loss = pipe.job.loss(out, y)
@@ -60,6 +61,7 @@ class _MicroBatches:
 
     def run(self) -> torch.Tensor:
         pipe = self.pipe
+        pipe._begin_reduce(self.seqs[0], len(self.xs), per_microbatch=True)
         futs = [pipe._micro_threads(len(self.xs)).submit(self._micro, i) for i in range(len(self.xs))]
         try:
             self.backward_done.wait()
@@ -116,7 +118,11 @@ class _MicroBatches:
         pipe = self.pipe
         if i in self.into:
             self.merged[self.before[i]].wait()
-            if pipe.optimizer is not None and not self.errors:
+            if pipe.optimizer is not None and not self.errors and pipe.replica is not None:
+                # the owners merge as each backward leaves them: see [Note: the average overlaps the backward]
+                raise_failures(wait_all([rpc.rpc_async(o, stage.reduce_merged, args=(pipe.pid, i, self.ctx_ids[:i + 1]))
+                                         for o in pipe._param_owners]))
+            elif pipe.optimizer is not None and not self.errors:
                 target = self.ctx_ids[self.into[i]]
                 wait_all([rpc.rpc_async(o, stage.merge_grads, args=(pipe.pid, target, self.ctx_ids[i]))
                           for o in pipe._param_owners])

@@ -1,7 +1,9 @@
 """Waiting on RPC futures: every one settles before the first error is raised."""
 from __future__ import annotations
 
-__all__ = ["wait_all"]
+from .failure import Failure
+
+__all__ = ["wait_all", "raise_failures"]
 
 
 def wait_all(futs) -> list:
@@ -15,4 +17,13 @@ def wait_all(futs) -> list:
             error = error or exc
     if error is not None:
         raise error
+    return results
+
+
+def raise_failures(results: list) -> list:
+    """``results``, unless one is a :class:`~rpcmp.failure.Failure` (see [Note: failures travel as
+    values]): then the first one's error is raised."""
+    failed = [r for r in results if isinstance(r, Failure)]
+    if failed:
+        raise failed[0].error()
     return results

@@ -71,10 +71,9 @@ from . import health
 from . import inbox
 from . import stage
 from .errors import JobError, StageError
-from .failure import Failure
 from .data import needs_sample, sample_batch
 from .executor import run_step
-from .futures import wait_all
+from .futures import raise_failures, wait_all
 from .hparams import StageFields
 from .schedule import SCHEDULES
 from .microbatch import batch_size, gather, map_tensors, scatter
@@ -93,15 +92,14 @@ class Pipeline(PipelineState):
 
     def __init__(self, job, world_size: int, *, microbatches: int | None = None,
                  optimizer: tuple | None = None, schedule: str | None = None, sample: Any = None,
-                 status: RunStatus | None = None, places: list[Place] | None = None, replica: tuple | None = None):
+                 status: RunStatus | None = None, places: list[Place] | None = None, replica: tuple | None = None,
+                 specs: list[StageSpec] | None = None):
         self.job = job
         self.microbatches = microbatches or job.microbatches
         self.schedule = schedule or job.schedule
         if self.schedule not in SCHEDULES:
             raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if sample is None and needs_sample(job):
-            sample = sample_batch(job)  # Split(by="time") profiles the layers on the job's first batch
-        self.specs: list[StageSpec] = plan_stages(job, sample)
+        self.specs: list[StageSpec] = specs or self.plan(job, sample)
         self.places: list[Place] = places or resolve_placement(job.placement, len(self.specs), world_size)
         # Job(replicas=R): (this copy's index, the rpcmp.replicas.ReplicaSync the copies meet at); see
         # [Note: replicas of a pipeline]
@@ -120,9 +118,7 @@ class Pipeline(PipelineState):
         # A worker lost while building is named; a stage that failed to build says so itself.
         with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
             built = wait_all(futs)
-        failed = [b for b in built if isinstance(b, Failure)]  # see [Note: failures travel as values]
-        if failed:
-            raise failed[0].error()
+        raise_failures(built)  # see [Note: failures travel as values]
         self.param_rrefs = [r for refs, _, _ in built for r in refs]
         # Each stage as PyTorch's RPC API knows it (forward_async, remote_parameters, get_module_rref); the
         # pipeline's own hot path runs the same module on its owner, stage to stage, without these handles.
@@ -140,6 +136,13 @@ class Pipeline(PipelineState):
         self.fields = StageFields((cls, kwargs), job.scheduler, self._write_fields)  # see [Note: schedulers in pipeline mode]
         self._loss_checked = False  # see _check_loss
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
+
+    @staticmethod
+    def plan(job, sample: Any = None) -> list[StageSpec]:
+        """The stages of ``job`` (traced, or profiled on ``sample`` for ``Split(by="time")``)."""
+        if sample is None and needs_sample(job):
+            sample = sample_batch(job)  # Split(by="time") profiles the layers on the job's first batch
+        return plan_stages(job, sample)
 
     # -- running micro-batches ------------------------------------------------
     def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any:
@@ -227,14 +230,29 @@ class Pipeline(PipelineState):
         if self.replica is not None:
             index, sync = self.replica
             loss = sync.meet(index, loss.detach().float())  # every copy's backward is done
-            wait_all([rpc.rpc_async(o, stage.average_grads, args=(self.pid, ctx_id))
-                      for o in self._param_owners])
+            raise_failures(wait_all([rpc.rpc_async(o, stage.average_grads, args=(self.pid, ctx_id))
+                                     for o in self._param_owners]))
             # The copies decide alike on the same mean loss; only the first says so (a warning, an error).
             if index and not torch.isfinite(loss).all():
                 return
         if self._finite(loss) and self._unscale_and_clip(ctx_id):
             self.optimizer.step(ctx_id)
             self._schedule_lr()
+
+    def _begin_reduce(self, first_seq: int, count: int, per_microbatch: bool) -> None:
+        """With replicas: the owners learn the step's micro-batches before they arrive (see
+        [Note: the average overlaps the backward] in rpcmp/reduce.py)."""
+        if self.replica is not None and self.optimizer is not None:
+            wait_all([rpc.rpc_async(o, stage.begin_reduce, args=(self.pid, first_seq, count, per_microbatch))
+                      for o in self._param_owners])
+
+    def settle_reduce(self, wait: bool) -> None:
+        """After a failed step of a copy: its stages take part in the step's all_reduce all the same."""
+        if self.replica is not None and self.optimizer is not None:
+            try:
+                wait_all([rpc.rpc_async(o, stage.settle_reduce, args=(self.pid, wait)) for o in self._param_owners])
+            except Exception:  # noqa: BLE001 - an owner that is gone; the step's own error is the one to report
+                pass
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.gradients.scaled(loss)

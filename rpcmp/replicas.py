@@ -5,14 +5,15 @@ processes, each copy on its own share of every batch.
 The master drives every copy: it splits each global batch as ``DistributedSampler`` would
 (replica r takes samples r, r + R, r + 2R, ... of the batch, which is exactly what R
 samplers over the same shuffled order hand out), and runs the R pipelines' steps at once,
-one thread each. When every copy's backward is done, each owner averages its gradients
-with the copies of its stage (one ``all_reduce`` over one flat buffer per stage, in a
-process group per stage: gloo on the CPU, NCCL for CUDA stages), and every copy then takes
-the same optimizer step, so the copies stay identical. The policy decisions use the
-average too: the loss that is checked for NaN is the mean over the copies, and clipping
-and fp16 loss scaling see the averaged gradients, so every copy decides alike. The
-copies wait for each other before the collectives start (:class:`ReplicaSync`), so a copy
-that failed earlier in the step leaves nobody inside an ``all_reduce``.
+one thread each. Each owner averages its gradients with the copies of its stage (one
+``all_reduce`` over one flat buffer per stage and step, in a process group per stage:
+gloo on the CPU, NCCL for CUDA stages), and every copy then takes the same optimizer
+step, so the copies stay identical. The policy decisions use the average too: the loss
+that is checked for NaN is the mean over the copies (the copies meet at
+:class:`ReplicaSync` when their backward is done), and clipping and fp16 loss scaling see
+the averaged gradients, so every copy decides alike. A copy that fails aborts that meeting,
+and its stages still take part in the step's ``all_reduce`` (with zeros), so nobody is
+left inside a collective.
 Each copy's loss is the mean over its own share, so the averaged gradient is the
 gradient of the mean over the global batch, as with one copy (the float sums differ in
 order, so equal at float32 tolerance, not bit-equal). BatchNorm sees each copy's share,
@@ -20,13 +21,11 @@ as in DDP mode without SyncBatchNorm. One master drives every copy (rather than 
 per copy) so that there is one data order, one checkpoint writer and one place that names a
 lost process; its cost is a thread per copy on the master.
 
-The averaging waits for the whole backward: it is not overlapped with it (one collective
-per stage and step; figures in benchmarks/PERFORMANCE.md). An owner can learn when its own
-part of a backward has ended (a hook on the stage's output that queues an autograd engine
-callback fires after the stage's gradients are in the context, checked), so a stage late in
-the pipeline could start its all_reduce while earlier stages still compute; with a context
-per micro-batch (the default schedules) the step's gradients are only final after the last
-merge, which the master orders, so that would need the owners to merge on their own.
+Each stage's average starts on its owner as soon as the step's last micro-batch has left
+the stage in the backward, while the stages before it still compute (one ``all_reduce``
+per stage and step, asynchronous): see [Note: the average overlaps the backward] in
+:mod:`rpcmp.reduce`, which also says how a parameter used by some copies only is refused
+alike by all and how a failed step keeps the collectives paired.
 
 The grid (:func:`grid_placement`): with ``placement="auto"`` the copies of stage k sit on
 consecutive ranks (under torchrun: one node, which keeps their all_reduce on the node) and
@@ -51,7 +50,7 @@ from .microbatch import batch_size
 from .partition import Split, SplitAt
 from .placement import Place, process_name, resolve_placement
 
-__all__ = ["grid_placement", "stage_count", "join_stage_groups", "leave_stage_groups", "all_reduce_mean", "ReplicaSync",
+__all__ = ["grid_placement", "stage_count", "join_stage_groups", "leave_stage_groups", "ReplicaSync",
            "Replicated", "shard", "unshard"]
 
 
@@ -115,19 +114,6 @@ def leave_stage_groups(served) -> None:
     served.stage_groups = None
 
 
-def all_reduce_mean(group, grads: list[torch.Tensor], copies: int) -> None:
-    """Average ``grads`` in place over the ``copies`` processes of ``group``: one flat buffer, one all_reduce."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= copies
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 class ReplicaSync:
     """Where the copies of a step meet before their gradients are averaged: every copy brings its
     loss and leaves with the mean over the copies. A copy that failed earlier calls :meth:`abort`,
@@ -172,14 +158,17 @@ class Replicated:
     """R :class:`~rpcmp.Pipeline` copies that train as one (see [Note: replicas of a pipeline]);
     what the trainer asks of a pipeline, it asks of this."""
 
-    def __init__(self, job, world_size: int, pipeline_cls, status=None):
+    def __init__(self, job, world_size: int, pipeline_cls, status=None, sample: Any = None):
         self.job, self.copies = job, job.replicas
         grid = grid_placement(job, world_size)
         self.sync = ReplicaSync(self.copies, timeout=max(job.rpc_timeout, job.hang_timeout or 0) * 4)
         self._threads = ThreadPoolExecutor(self.copies, thread_name_prefix="rpcmp-replica")
-        # The copies build at once: their stages are on different processes.
+        # One plan for every copy: the same cut points (Split(by="time") profiles once), and tracing
+        # (torch.export) is not something two threads can do at once. The copies then build at once:
+        # their stages are on different processes.
+        specs = pipeline_cls.plan(job, sample)
         self.pipes = [f.result() for f in [self._threads.submit(pipeline_cls, job, world_size, places=grid[i],
-                                                                replica=(i, self.sync), status=status)
+                                                                replica=(i, self.sync), status=status, specs=specs)
                                            for i in range(self.copies)]]
         self.status = self.pipes[0].status
         self.status.stages = {}
@@ -203,6 +192,7 @@ class Replicated:
             try:
                 return pipe.train_step(shard(x, i, self.copies), shard(y, i, self.copies), chunks)
             except BaseException:
+                pipe.settle_reduce(wait=False)  # no copy waits in an all_reduce for this one
                 self.sync.abort()  # the others stop waiting for this copy
                 raise
         futures = [self._threads.submit(step, i, p) for i, p in enumerate(self.pipes)]
@@ -215,6 +205,7 @@ class Replicated:
             except BaseException as exc:  # noqa: BLE001 - the first real failure is re-raised
                 errors.append(exc)
         if errors:
+            self._all(lambda i, p: p.settle_reduce(wait=True))  # every collective of the step has ended
             raise errors[0]
         return torch.stack(losses).mean(0)
 

@@ -55,13 +55,14 @@ from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
 from .recompute import Recomputed, make_recomputable
 from .placement import MASTER, Place, check_device
-from .replicas import all_reduce_mean
+from .reduce import StepReduce
 from .served import current
 
 # The RPC endpoints the master calls (rpcmp.pipeline, rpcmp.executor, rpcmp.inbox); each finds
 # the stage it acts on in this process's rpcmp.served.Served.
-__all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "average_grads", "grad_sq_norm",
-           "scale_grads", "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
+__all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "begin_reduce", "reduce_merged",
+           "average_grads", "settle_reduce", "grad_sq_norm", "scale_grads", "set_fields", "get_fields", "set_training",
+           "set_trace", "stats", "release", "named_params"]
 
 
 @dataclass
@@ -82,6 +83,8 @@ class StageHost:
     posts: bool = False  # whether it sends values straight to later stages (see [Note: skip values go ...])
     gate: InOrder = field(default=None)  # micro-batches in the master's order
     deliver: Any = None  # the master's endpoint for the last stage's output (rpcmp.inbox.deliver)
+    reduce: StepReduce | None = None  # Job(replicas=R): this step's gradients (see [Note: the average overlaps ...])
+    reduced_early: int = 0  # steps whose average the backward started (for stats)
     compute_s: float = 0.0
     runs: int = 0
     bytes_in: int = 0  # activations received (their gradients go back the same size)
@@ -215,6 +218,8 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures
             return _done(Failure(str(exc)))
         return _done(Failure.of(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
                                 f"{type(exc).__name__}: {exc}", exc))
+    if grad and host.reduce is not None:
+        host.reduce.watch(seq, y)
     posted = []
     if host.posts:  # see [Note: skip values go straight to their consumer] in rpcmp/traced.py
         y, posts = y
@@ -261,19 +266,50 @@ def merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
         base[param].add_(grad)
 
 
-def average_grads(pid: int, ctx_id: int) -> None:
-    """Average this process's gradients in the context with the copies of its stages (``Job(replicas=R)``:
-    see [Note: replicas of a pipeline] in rpcmp/replicas.py), stage by stage, in parameter order."""
+def _reducing(pid: int) -> list[StageHost]:
+    return [h for h in sorted(current().hosts_of(pid), key=lambda h: h.spec.index) if h.reduce is not None]
+
+
+def begin_reduce(pid: int, first_seq: int, count: int, per_microbatch: bool) -> None:
+    """A training step of a copy of a replicated pipeline begins (``Job(replicas=R)``): its ``count``
+    micro-batches from ``first_seq`` on, each in its own context (``per_microbatch``) or all in one.
+    See [Note: the average overlaps the backward] in rpcmp/reduce.py."""
     served = current()
     for host in sorted(served.hosts_of(pid), key=lambda h: h.spec.index):
-        params = [p for p in host.module.parameters() if p.requires_grad]
-        grads = _param_grads(dict.fromkeys(params), ctx_id)
-        missing = [n for n, p in host.module.named_parameters() if p.requires_grad and p not in grads]
-        if missing:
-            raise StageError(f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}: parameters {missing[:3]} got no "
-                             f"gradient this step, so the copies of the stage cannot average theirs; replicas need every "
-                             f"parameter used in every step")
-        all_reduce_mean(served.stage_groups[host.spec.index], [grads[p] for p in params], served.job.replicas)
+        params = {host.spec.prefix + n: p for n, p in host.module.named_parameters() if p.requires_grad}
+        if not params:
+            continue
+        if host.reduce is not None and host.reduce.early:
+            host.reduced_early += 1
+        host.reduce = StepReduce(params, f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}",
+                                 served.stage_groups[host.spec.index], served.job.replicas, first_seq,
+                                 count if per_microbatch else 1, hook=per_microbatch and not host.posts)
+
+
+def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | None:
+    """The master: micro-batches up to ``upto`` (in ``contexts``) have done their whole backward."""
+    for host in _reducing(pid):
+        host.reduce.left(upto, contexts)
+        if host.reduce.error is not None:
+            return Failure.of(str(host.reduce.error), host.reduce.error)
+    return None
+
+
+def average_grads(pid: int, ctx_id: int) -> Failure | None:
+    """Average this process's gradients of the step with the copies of its stages (``Job(replicas=R)``:
+    see [Note: replicas of a pipeline] in rpcmp/replicas.py), into context ``ctx_id``."""
+    for host in _reducing(pid):
+        try:
+            host.reduce.average(ctx_id)
+        except StageError as exc:  # see [Note: failures travel as values]
+            return Failure.of(str(exc), exc)
+    return None
+
+
+def settle_reduce(pid: int, wait: bool) -> None:
+    """A failed step: every stage here takes part in the step's all_reduce (see rpcmp/reduce.py)."""
+    for host in _reducing(pid):
+        host.reduce.settle(wait)
 
 
 def grad_sq_norm(pid: int, ctx_id: int) -> float:
@@ -324,7 +360,8 @@ def stats(pid: int, index: int) -> dict[str, float]:
     return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "wall_s": time.perf_counter() - host.born, "process_cpu_s": _cpu_seconds() - host.cpu_born,
-            "mib_in": host.bytes_in / 2**20, "mib_out": host.bytes_out / 2**20}
+            "mib_in": host.bytes_in / 2**20, "mib_out": host.bytes_out / 2**20,
+            "reduced_early": host.reduced_early + bool(host.reduce is not None and host.reduce.early)}
 
 
 def _cpu_seconds() -> float:

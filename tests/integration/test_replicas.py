@@ -23,6 +23,7 @@ def _pipeline_steps(job, world_size):
         engine = make_engine(dataclasses.replace(job, optimizer=optimizer), world_size)
         losses = [engine.pipe.train_step(x, y).item() for x, y in batches(3, size=8)]
         out[name] = (losses, engine.pipe.state_dict())
+        out[f"{name} early"] = [st["reduced_early"] for st in engine.pipe.stats()]
         if job.replicas > 1 and name == "adam":
             try:
                 engine.pipe.train_step(torch.randn(7, 16), torch.randn(7, 8))
@@ -51,10 +52,44 @@ def test_two_replicas_of_two_stages_train_as_one_pipeline_and_as_ddp_on_two_rank
     single = run_ranks("mlp", 3, _pipeline_steps, {"microbatches": 2})
     ddp = run_ranks("mlp", 2, _ddp_steps, {"mode": "ddp"})
     assert hybrid.pop("uneven").startswith("JobError: a batch of 7 samples does not split evenly over 2 replicas")
+    # every stage of every copy started its average from the backward, in each of the 3 steps
+    # (see [Note: the average overlaps the backward])
+    assert hybrid.pop("sgd-momentum early") == hybrid.pop("adam early") == [3, 3, 3, 3]
     for name in OPTIMIZERS:
         assert_close_f32(hybrid[name], single[name])  # losses (the mean over the copies) and parameters
         assert_close_f32(hybrid[name], ddp[name])
         assert list(hybrid[name][1]) == list(single[name][1])  # the unsplit model's names
+
+
+def _signed_steps(job, world_size):
+    """Steps on inputs of one sign (the gate's scale used by every copy), and, with replicas, one
+    between them whose even samples (copy 0's) are positive and odd ones (copy 1's) negative."""
+    from rpcmp.engine import make_engine
+    pipe = make_engine(job, world_size).pipe
+    (x1, y1), (x2, y2), (x3, y3) = batches(3)
+    x1, x2, x3 = x1.abs(), x2.abs() * torch.tensor([1.0, -1.0]).repeat(4)[:, None], x3.abs()
+    out = {"losses": [pipe.train_step(x1, y1).item()]}
+    if job.replicas > 1:
+        try:
+            pipe.train_step(x2, y2)
+        except Exception as exc:  # noqa: BLE001 - what the test checks
+            out["mixed"] = f"{type(exc).__name__}: {exc}"
+    out["losses"].append(pipe.train_step(x3, y3).item())
+    out["state"] = pipe.state_dict()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_copies_that_use_other_parameters_are_refused_alike_and_train_on():
+    """A parameter no copy uses (the gate's bias) is left alone; one that only some copies used in a
+    step (the gate's scale) fails that step in every copy, with its name, and nobody is left inside a
+    collective: the next step trains, and the whole equals one pipeline trained without the mixed step."""
+    hybrid = run_ranks("branchy", 5, _signed_steps, {"replicas": 2}, timeout=150)
+    single = run_ranks("branchy", 3, _signed_steps, timeout=150)
+    mixed = hybrid.pop("mixed")
+    assert mixed.startswith("StageError: stage 0 (")
+    assert "parameters ['0.scale'] got a gradient this step in some copies of the stage but not in all" in mixed
+    assert_close_f32(hybrid, single)
 
 
 def _fit(job, world_size):
