@@ -48,7 +48,13 @@ def _steps(kind, job, world_size):
     # the bench jobs have no data: SplitAt traces this batch
     pipe = (Replicated(job, world_size, rpcmp.Pipeline, sample=x) if job.replicas > 1
             else rpcmp.Pipeline(job, world_size, sample=x))
-    return median_time(lambda: pipe.train_step(x, y))
+    seconds = median_time(lambda: pipe.train_step(x, y))
+    if job.replicas > 1:  # how much of the averaging ran behind the backward (rpcmp/reduce.py)
+        stats = pipe.stats()
+        took, waited = sum(s["reduce_s"] for s in stats), sum(s["reduce_wait_s"] for s in stats)
+        print(f"{kind} 2 x 2: all_reduce {took * 1e3:.0f} ms in all, {waited * 1e3:.0f} ms of it waited for at the step's "
+              f"end ({1 - waited / took:.0%} behind the backward)", flush=True)
+    return seconds
 
 
 @click.command()

@@ -3,7 +3,7 @@
 # joined by a bridge in a switch namespace, one address per node. Runs a job on it with
 # torchrun (c10d rendezvous) on every "node", then tears everything down, even on failure.
 #
-#   sudo launch/netns-cluster.sh [--nodes 3] [--timeout 600] [--logs DIR] -- JOB [rpcmp.master options]
+#   sudo launch/netns-cluster.sh [--nodes 3] [--nproc-per-node 1] [--timeout 600] [--logs DIR] -- JOB [rpcmp.master options]
 #
 # All nodes share one hostname, as many real clusters effectively do (hostname -> 127.0.1.1):
 # the rendezvous host gets --rdzv-conf is_host=true and every node --local-addr ITS_IP, and
@@ -11,19 +11,21 @@
 set -euo pipefail
 
 NODES=3
+NPROC=1
 LIMIT=600
 LOGS=""
 PY=${PYTHON:-python3}
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --nodes) NODES=$2; shift 2 ;;
+    --nproc-per-node) NPROC=$2; shift 2 ;;
     --timeout) LIMIT=$2; shift 2 ;;
     --logs) LOGS=$2; shift 2 ;;
     --) shift; break ;;
-    *) echo "usage: $0 [--nodes N] [--timeout S] [--logs DIR] -- JOB [options]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--nodes N] [--nproc-per-node K] [--timeout S] [--logs DIR] -- JOB [options]" >&2; exit 2 ;;
   esac
 done
-[[ $# -ge 1 ]] || { echo "usage: $0 [--nodes N] [--timeout S] [--logs DIR] -- JOB [options]" >&2; exit 2; }
+[[ $# -ge 1 ]] || { echo "usage: $0 [--nodes N] [--nproc-per-node K] [--timeout S] [--logs DIR] -- JOB [options]" >&2; exit 2; }
 [[ $(id -u) -eq 0 ]] || { echo "netns-cluster: needs root (ip netns)" >&2; exit 2; }
 
 ID=$$
@@ -67,7 +69,7 @@ for ((i = 0; i < NODES; i++)); do
   # RPCMP_NETNS_TORCHRUN_ARGS: more torchrun options for every node (e.g. --max-restarts=1)
   read -r -a extra <<<"${RPCMP_NETNS_TORCHRUN_ARGS:-}"
   ip netns exec "rpcmp-n$i-$ID" timeout --kill-after=10 "$LIMIT" \
-    "$PY" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node=1 \
+    "$PY" -m torch.distributed.run --nnodes="$NODES" --nproc-per-node="$NPROC" \
       --rdzv-backend=c10d --rdzv-endpoint="$SUBNET.1:29400" --rdzv-conf "is_host=$host" \
       "${addr_opt[@]}" "${extra[@]}" \
       -m rpcmp.master "$@" --iface eth0 >"$LOGS/node$i.log" 2>&1 &

@@ -197,8 +197,10 @@ def worker(master, rank, token_file, iface):
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--world-size", "-n", type=int, default=None,
               help="Processes the job will run on (default: stages + 1).")
+@click.option("--nproc-per-node", type=int, default=None,
+              help="With --replicas: processes per node (torchrun's), to show the grid by node.")
 @job_options
-def plan(job_file, world_size, overrides):
+def plan(job_file, world_size, nproc_per_node, overrides):
     """Print how JOB_FILE is cut into stages and placed, and its schedule's plan, without starting any process."""
     import torch
     from .job import load_job
@@ -213,7 +215,8 @@ def plan(job_file, world_size, overrides):
     specs = plan_stages(job, batch if needs_sample(job) else None)
     flow = scatter(batch, job.microbatches)[0] if batch is not None else None  # one micro-batch, through the stages
     world_size = world_size or job.replicas * len(specs) + 1
-    grid = grid_placement(job, world_size, len(specs)) if job.replicas > 1 else None
+    nodes = [f"node {q // nproc_per_node}" for q in range(world_size)] if nproc_per_node else None
+    grid = grid_placement(job, world_size, len(specs), nodes) if job.replicas > 1 else None
     places = grid[0] if grid else resolve_placement(job.placement, len(specs), world_size)
     cls, kwargs = job.optimizer
     states = _optimizer_states(cls, kwargs)
@@ -244,20 +247,22 @@ def plan(job_file, world_size, overrides):
     console = Console()
     Console(width=max(console.width, 140)).print(table)  # a piped plan keeps whole stage names
     if grid:
-        Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid))
+        Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid, nodes))
     Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch"))
 
 
-def _grid_table(job, specs, grid) -> Table:
-    """Which process holds each copy of each stage (``Job(replicas=R)``)."""
+def _grid_table(job, specs, grid, nodes) -> Table:
+    """Which process (and node) holds each copy of each stage (``Job(replicas=R)``)."""
     table = Table(title=f"{job.replicas} replicas x {len(specs)} stages: each replica trains on "
                         f"{job.batch_size // job.replicas} samples of every {job.batch_size}-sample batch")
     table.add_column("replica")
     for spec in specs:
         table.add_column(f"stage {spec.index} {spec.name}")
     for r, row in enumerate(grid):
-        table.add_row(str(r), *(str(p) for p in row))
-    table.caption = "the copies of a stage (a column) average their gradients in one process group before each step"
+        table.add_row(str(r), *(f"{p} ({nodes[p.rank]})" if nodes else str(p) for p in row))
+    table.caption = ("the copies of a stage (a column) average their gradients in one process group every step; "
+                     "under torchrun the grid follows the nodes the ranks report" + ("" if nodes else
+                     " (--nproc-per-node K shows it)"))
     return table
 
 

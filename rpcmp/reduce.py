@@ -31,6 +31,7 @@ takes part in exactly one ``all_reduce`` per step, also when the step fails
 from __future__ import annotations
 
 import threading
+import time
 from functools import partial
 
 import torch
@@ -57,6 +58,7 @@ class StepReduce:
         self.error: Exception | None = None
         self.flat = self.work = None
         self.early = False  # the all_reduce was started by the backward, not by the master
+        self.times = [0.0, 0.0, 0.0]  # when the all_reduce started, when the master asked for it, when it ended
         self.closed = False
         self._lock = threading.Lock()
 
@@ -120,6 +122,7 @@ class StepReduce:
         had = torch.tensor([p in grads for p in self.params], dtype=dtype,
                            device=parts[0].device if parts else None)
         self.flat = torch.cat([*parts, had])
+        self.times[0] = time.perf_counter()
         self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
 
     # -- the end of the step ---------------------------------------------------------------------
@@ -129,7 +132,9 @@ class StepReduce:
         self.left(self.count - 1, [base_ctx])
         with self._lock:
             self.closed = True
+        self.times[1] = time.perf_counter()
         self.work.wait()
+        self.times[2] = time.perf_counter()
         if self.error is not None:
             raise self.error
         flat, n = self.flat, len(self.params)
@@ -144,6 +149,12 @@ class StepReduce:
             if p in grads:
                 grads[p].copy_(flat[offset:offset + p.numel()].view_as(p)).div_(self.copies)
             offset += p.numel()
+
+    @property
+    def seconds(self) -> tuple[float, float]:
+        """(the all_reduce's time from its start to its end, the part of it the master waited for)."""
+        start, asked, end = self.times
+        return (end - start, max(0.0, end - max(start, asked))) if end else (0.0, 0.0)
 
     def settle(self, wait: bool) -> None:
         """A failed step: take part in the step's all_reduce if this stage has not (with zeros),

@@ -27,14 +27,17 @@ per stage and step, asynchronous): see [Note: the average overlaps the backward]
 :mod:`rpcmp.reduce`, which also says how a parameter used by some copies only is refused
 alike by all and how a failed step keeps the collectives paired.
 
-The grid (:func:`grid_placement`): with ``placement="auto"`` the copies of stage k sit on
-consecutive ranks (under torchrun: one node, which keeps their all_reduce on the node) and
-a copy's stages on ranks R apart (other nodes). An explicit placement lists R x S
+The grid (:func:`grid_placement`): with ``placement="auto"`` the copies of a stage sit on one
+node where a node has R free processes (their all_reduce stays on the node) and a copy's
+stages on other nodes where they can; the ranks learn each other's nodes through the
+launch's store before RPC starts (:func:`share_nodes`: torchrun's node rank, else the host
+name). On one node, stage k's copies are on consecutive ranks. An explicit placement lists R x S
 ``process/device`` entries, copy by copy.
 """
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -49,8 +52,9 @@ from .errors import JobError, PlacementError
 from .microbatch import batch_size
 from .partition import Split, SplitAt
 from .placement import Place, process_name, resolve_placement
+from .served import current
 
-__all__ = ["grid_placement", "stage_count", "join_stage_groups", "leave_stage_groups", "ReplicaSync",
+__all__ = ["grid_placement", "stage_count", "this_node", "share_nodes", "join_stage_groups", "leave_stage_groups", "ReplicaSync",
            "Replicated", "shard", "unshard"]
 
 
@@ -58,8 +62,9 @@ def stage_count(job) -> int:
     return job.stages.count if isinstance(job.stages, (Split, SplitAt)) else len(job.stages)
 
 
-def grid_placement(job, world_size: int, stages: int | None = None) -> list[list[Place]]:
-    """``[replica][stage]`` -> the :class:`Place` that owns that copy of that stage."""
+def grid_placement(job, world_size: int, stages: int | None = None, nodes: list[str] | None = None) -> list[list[Place]]:
+    """``[replica][stage]`` -> the :class:`Place` that owns that copy of that stage; ``nodes``: each
+    rank's node (:func:`share_nodes`), for ``placement="auto"``."""
     s, r = stages or stage_count(job), job.replicas
     need = r * s
     if job.placement == "auto":
@@ -67,7 +72,8 @@ def grid_placement(job, world_size: int, stages: int | None = None) -> list[list
             raise PlacementError(f"{r} replicas x {s} stages need {need} processes (or {need + 1}: the master holds no "
                                  f"stage then), got {world_size}: start {need + 1} processes (--local {need + 1})")
         first = 1 if world_size > need else 0  # with exactly R x S processes the master holds the last copy
-        return [[Place(process_name((first + k * r + i) % world_size)) for k in range(s)] for i in range(r)]
+        columns = _by_node(r, s, list(range(first, world_size)), nodes or ["one"] * world_size)
+        return [[Place(process_name(columns[k][i])) for k in range(s)] for i in range(r)]
     if isinstance(job.placement, str) or len(job.placement) != need:
         raise PlacementError(f"with {r} replicas of {s} stages, placement must be 'auto' or {need} 'process/device' "
                              f"entries (replica 0's stages, then replica 1's, ...), got {job.placement!r}")
@@ -85,11 +91,42 @@ def grid_placement(job, world_size: int, stages: int | None = None) -> list[list
     return grid
 
 
+def _by_node(r: int, s: int, free: list[int], nodes: list[str]) -> list[list[int]]:
+    """The ranks of each stage's R copies: R free ranks of one node where a node has them (their
+    all_reduce stays on the node), a node no earlier stage took if one can (a copy's stages on other
+    nodes), else the next R free ranks. On one node: stage k's copies on consecutive ranks."""
+    columns, used = [], set()
+    for _ in range(s):
+        by_node: dict[str, list[int]] = {}
+        for q in free:
+            by_node.setdefault(nodes[q], []).append(q)
+        fits = [(node, qs[:r]) for node, qs in by_node.items() if len(qs) >= r]
+        node, ranks = next((f for f in fits if f[0] not in used), fits[0] if fits else (None, free[:r]))
+        used.add(node)
+        columns.append(ranks)
+        free = [q for q in free if q not in ranks]
+    return columns
+
+
+def this_node() -> str:
+    """The node this process runs on: torchrun's node rank, else the host's name."""
+    return f"node {os.environ['GROUP_RANK']}" if "GROUP_RANK" in os.environ else socket.gethostname()
+
+
+def share_nodes(rank: int, world_size: int, timeout: float) -> list[str]:
+    """Every rank's node, the same list on every rank (through the launch's store, before RPC)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout))
+    key = f"rpcmp/node/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(key + str(rank), this_node())
+    return [store.get(key + str(q)).decode() for q in range(world_size)]
+
+
 def join_stage_groups(job, rank: int, world_size: int, served) -> None:
     """On every rank of a run with replicas: one process group over all ranks, and one per stage
     over the ranks that hold its copies (``served.stage_groups[k]``). Every rank must call this:
     creating a group is a collective of the whole world."""
-    grid = grid_placement(job, world_size)
+    grid = grid_placement(job, world_size, nodes=served.nodes)
     timeout = timedelta(seconds=max(60.0, job.hang_timeout or 0))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -160,7 +197,7 @@ class Replicated:
 
     def __init__(self, job, world_size: int, pipeline_cls, status=None, sample: Any = None):
         self.job, self.copies = job, job.replicas
-        grid = grid_placement(job, world_size)
+        grid = grid_placement(job, world_size, nodes=current().nodes)
         self.sync = ReplicaSync(self.copies, timeout=max(job.rpc_timeout, job.hang_timeout or 0) * 4)
         self._threads = ThreadPoolExecutor(self.copies, thread_name_prefix="rpcmp-replica")
         # One plan for every copy: the same cut points (Split(by="time") profiles once), and tracing
@@ -192,8 +229,8 @@ class Replicated:
             try:
                 return pipe.train_step(shard(x, i, self.copies), shard(y, i, self.copies), chunks)
             except BaseException:
-                pipe.settle_reduce(wait=False)  # no copy waits in an all_reduce for this one
                 self.sync.abort()  # the others stop waiting for this copy
+                pipe.settle_reduce(wait=False)  # nor does any of their stages' all_reduces
                 raise
         futures = [self._threads.submit(step, i, p) for i, p in enumerate(self.pipes)]
         errors, losses = [], []

@@ -24,7 +24,7 @@ from .health import Watchdog
 from .job import Job, load_job
 from .network import preflight
 from .placement import device_maps_for, process_name, resolve_placement
-from .replicas import grid_placement, join_stage_groups, leave_stage_groups, stage_count
+from .replicas import grid_placement, join_stage_groups, leave_stage_groups, share_nodes, stage_count
 from .served import current, serve
 
 __all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
@@ -150,8 +150,10 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         return _run_ddp_rank(job, rank, world_size, main)
     _fresh_store_prefix()
     options = _backend_options(job, world_size)
+    if job.replicas > 1 and job.placement == "auto":  # the grid follows the nodes: see [Note: replicas of a pipeline]
+        served.nodes = share_nodes(rank, world_size, timeout=max(60.0, job.rpc_timeout))
     if job.device_maps:
-        rows = (grid_placement(job, world_size) if job.replicas > 1
+        rows = (grid_placement(job, world_size, nodes=served.nodes) if job.replicas > 1
                 else [resolve_placement(job.placement, stage_count(job), world_size)])
         for places in rows:
             for peer, mapping in device_maps_for(places, process_name(rank)).items():

@@ -95,6 +95,7 @@ class Served:
         self.device = None  # DDP mode: this rank's device
         self.heartbeats = None  # DDP mode: this rank's rpcmp.health.Heartbeats
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
+        self.nodes: list[str] | None = None  # Job(replicas=R): every rank's node, for the grid
         self._pipeline_ids = itertools.count()
 
     def next_pipeline_id(self) -> int:

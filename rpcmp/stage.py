@@ -84,7 +84,7 @@ class StageHost:
     gate: InOrder = field(default=None)  # micro-batches in the master's order
     deliver: Any = None  # the master's endpoint for the last stage's output (rpcmp.inbox.deliver)
     reduce: StepReduce | None = None  # Job(replicas=R): this step's gradients (see [Note: the average overlaps ...])
-    reduced_early: int = 0  # steps whose average the backward started (for stats)
+    reduced: list = field(default_factory=lambda: [0, 0.0, 0.0])  # averages the backward started, seconds, waited
     compute_s: float = 0.0
     runs: int = 0
     bytes_in: int = 0  # activations received (their gradients go back the same size)
@@ -279,11 +279,18 @@ def begin_reduce(pid: int, first_seq: int, count: int, per_microbatch: bool) -> 
         params = {host.spec.prefix + n: p for n, p in host.module.named_parameters() if p.requires_grad}
         if not params:
             continue
-        if host.reduce is not None and host.reduce.early:
-            host.reduced_early += 1
+        _count_reduce(host)
         host.reduce = StepReduce(params, f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}",
                                  served.stage_groups[host.spec.index], served.job.replicas, first_seq,
                                  count if per_microbatch else 1, hook=per_microbatch and not host.posts)
+
+
+def _count_reduce(host: StageHost) -> None:
+    """Add a finished step's average to the stage's figures."""
+    if host.reduce is not None and host.reduce.closed:
+        took, waited = host.reduce.seconds
+        host.reduced = [host.reduced[0] + host.reduce.early, host.reduced[1] + took, host.reduced[2] + waited]
+        host.reduce = None
 
 
 def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | None:
@@ -361,7 +368,14 @@ def stats(pid: int, index: int) -> dict[str, float]:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "wall_s": time.perf_counter() - host.born, "process_cpu_s": _cpu_seconds() - host.cpu_born,
             "mib_in": host.bytes_in / 2**20, "mib_out": host.bytes_out / 2**20,
-            "reduced_early": host.reduced_early + bool(host.reduce is not None and host.reduce.early)}
+            **_reduce_stats(host)}
+
+
+def _reduce_stats(host: StageHost) -> dict:
+    """With replicas: steps whose average the backward started, the averages' seconds and the part waited for."""
+    _count_reduce(host)
+    early, took, waited = host.reduced
+    return {"reduced_early": early, "reduce_s": took, "reduce_wait_s": waited}
 
 
 def _cpu_seconds() -> float:

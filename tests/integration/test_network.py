@@ -32,9 +32,9 @@ NETNS_SKIP = _netns_ok()
 needs_netns = pytest.mark.skipif(NETNS_SKIP is not None, reason=f"network namespaces: {NETNS_SKIP}")
 
 
-def _cluster(tmp_path, *job_args, env=None, limit=400, nodes=3):
-    proc = subprocess.run(["bash", SCRIPT, "--nodes", str(nodes), "--timeout", str(limit - 60), "--logs", str(tmp_path),
-                           "--", *job_args],
+def _cluster(tmp_path, *job_args, env=None, limit=400, nodes=3, per_node=1):
+    proc = subprocess.run(["bash", SCRIPT, "--nodes", str(nodes), "--nproc-per-node", str(per_node),
+                           "--timeout", str(limit - 60), "--logs", str(tmp_path), "--", *job_args],
                           capture_output=True, text=True, timeout=limit,
                           env={**os.environ, "PYTHON": sys.executable, "COLUMNS": "160", **(env or {})})
     logs = "".join(open(os.path.join(tmp_path, f)).read() for f in sorted(os.listdir(tmp_path)) if f.endswith(".log"))
@@ -198,17 +198,25 @@ def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_unin
     assert_close_f32(b["model"], a["model"])
 
 
+# (nodes, processes per node, the grid the banner shows): 4 nodes of 1 process (the master holds a copy),
+# and 3 nodes of 2 where the grid follows the nodes: each stage's copies on one node (by rank, stage 0's
+# copies would be ranks 1 and 2, on two nodes), the master's node holding no stage
+GRIDS = [(4, 1, "0@master/cpu,worker1/cpu  1@worker2/cpu,worker3/cpu"),
+         (3, 2, "0@worker2/cpu,worker3/cpu  1@worker4/cpu,worker5/cpu")]
+
+
 @needs_netns
 @pytest.mark.timeout(420)
-def test_two_replicas_of_two_stages_on_four_namespaced_nodes_equal_a_local_run(tmp_path):
+@pytest.mark.parametrize("nodes,per_node,grid", GRIDS, ids=["4x1", "3x2"])
+def test_two_replicas_of_two_stages_on_namespaced_nodes_equal_a_local_run(tmp_path, nodes, per_node, grid):
     from helpers import assert_close_f32, run_ranks
     from rpcmp.checkpoint import load_checkpoint
     os.makedirs(tmp_path / "logs")
     proc, logs = _cluster(tmp_path / "logs", os.path.join(ROOT, "tests", "jobs", "mlp.py"), "--replicas", "2",
-                          "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "cluster"), nodes=4)
+                          "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "cluster"), nodes=nodes, per_node=per_node)
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs
-    assert all(f"node{i}: exit 0" in proc.stdout for i in range(4)), proc.stdout
-    assert "x 2 replicas: 0@master/cpu,worker1/cpu  1@worker2/cpu,worker3/cpu" in proc.stdout, proc.stdout
+    assert all(f"node{i}: exit 0" in proc.stdout for i in range(nodes)), proc.stdout
+    assert f"x 2 replicas: {grid}" in proc.stdout, proc.stdout
     local = run_ranks("mlp", 4, _fit_steps, {"replicas": 2, "max_steps": 6, "checkpoint_dir": str(tmp_path / "local")},
                       timeout=240)
     assert local == 6

@@ -24,6 +24,20 @@ def test_auto_keeps_a_stages_copies_on_consecutive_ranks_and_a_copys_stages_apar
         grid_placement(_job(replicas=2), world_size=3)
 
 
+def test_auto_keeps_a_stages_copies_on_one_node_and_a_copys_stages_on_other_nodes():
+    def names(grid):
+        return [[p.process for p in row] for row in grid]
+    # torchrun --nnodes 3 --nproc-per-node 2: the master (rank 0) holds no stage; by rank, stage 0's copies
+    # would be ranks 1 and 2, on two nodes
+    by_node = [f"node {q // 2}" for q in range(6)]
+    assert names(grid_placement(_job(replicas=2), 6, nodes=by_node)) == [["worker2", "worker4"], ["worker3", "worker5"]]
+    # two nodes of 4: each stage's copies on one node, the two stages on the two nodes
+    two = ["a"] * 4 + ["b"] * 4
+    assert names(grid_placement(_job(replicas=2), 8, nodes=two)) == [["worker1", "worker4"], ["worker2", "worker5"]]
+    # a node per process (no node has 2): by rank, as on one node
+    assert names(grid_placement(_job(replicas=2), 5, nodes=list("abcde"))) == names(grid_placement(_job(replicas=2), 5))
+
+
 def test_an_explicit_grid_is_listed_copy_by_copy_and_copies_of_a_stage_need_their_own_processes():
     job = _job(replicas=2, placement=["worker1/cpu", "worker2/cpu", "worker3/cpu", "worker4/cpu"])
     assert grid_placement(job, 5) == [[Place("worker1"), Place("worker2")], [Place("worker3"), Place("worker4")]]
