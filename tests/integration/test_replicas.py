@@ -2,6 +2,7 @@
 global batch and as DDP on as many ranks; a checkpoint is written once and resumes under another R
 (real processes, real RPC, gloo process groups per stage)."""
 import os
+import shutil
 
 import pytest
 import torch
@@ -96,15 +97,21 @@ def _fit(job, world_size):
     return fit(job, world_size)
 
 
-@pytest.mark.timeout(300)
-def test_a_checkpoint_is_written_once_and_resumes_under_another_replica_count(tmp_path):
+@pytest.mark.timeout(360)
+def test_a_checkpoint_is_written_once_and_resumes_under_another_replica_count_and_mode(tmp_path):
     common = {"max_steps": 4, "checkpoint_every": 2, "epochs": 1, "optimizer": OPTIMIZERS["adam"]}
     whole = run_ranks("mlp", 3, _fit, {**common, "max_steps": 6, "checkpoint_dir": str(tmp_path / "one")})
     first = run_ranks("mlp", 5, _fit, {**common, "replicas": 2, "checkpoint_dir": str(tmp_path / "grid")})
     parts = sorted(f for f in os.listdir(tmp_path / "grid") if ".stage-" in f)
     assert len(parts) == 2 * 2 and all(".stage-0.pt" in f or ".stage-1.pt" in f for f in parts)  # S parts a step, not R x S
+    shutil.copytree(tmp_path / "grid", tmp_path / "to-ddp")
     rest = run_ranks("mlp", 3, _fit, {**common, "max_steps": 6, "resume": True, "checkpoint_dir": str(tmp_path / "grid")})
     assert_close_f32(first["losses"] + rest["losses"], whole["losses"])
+    # and in DDP mode on 2 ranks
+    ddp = run_ranks("mlp", 2, _fit, {**common, "max_steps": 6, "resume": True, "mode": "ddp",
+                                      "checkpoint_dir": str(tmp_path / "to-ddp")})
+    assert_close_f32(first["losses"] + ddp["losses"], whole["losses"])
+    assert_close_f32(load_checkpoint(str(tmp_path / "to-ddp"))["model"], load_checkpoint(str(tmp_path / "one"))["model"])
     assert_close_f32(load_checkpoint(str(tmp_path / "grid"))["model"], load_checkpoint(str(tmp_path / "one"))["model"])
     # the held-out metric is over every sample, whichever copy computed it
     assert_close_f32(first["metric_before"], whole["metric_before"])
