@@ -13,9 +13,12 @@ such callback adds the micro-batch's gradients into the first micro-batch's cont
 micro-batch order (the master's order for plain pipelines, so the sums add up alike), and
 the last one starts the ``all_reduce`` (``async_op``: the engine thread goes on at once).
 The master still says, after each micro-batch's whole backward, that it is done
-(:meth:`StepReduce.left` with its context ids): a stage whose callback cannot run (a
-stage on the master, whose output's gradient comes in a message the engine had already
-finished with, or a second stage on one process) is merged then, only later. A stage that
+(:meth:`StepReduce.left` with its context ids): a stage whose callback does not run is
+merged then, only later. That is a stage whose output's gradient reaches a graph task the
+engine has already finished on that process: one on the master other than the last (the
+master's own backward started the context there), or the upstream one of two stages on one
+process. The callback never runs early: the engine runs a graph task's callbacks when
+nothing of it is in flight, and the hooked node is counted from before the hook fires. A stage that
 receives gradients in several messages (a traced stage that posts skip values) is not
 hooked at all, since its first message need not be its last; it too is merged when the
 master says so. A plan with one context per step (``gpipe``) has one message per
