@@ -71,7 +71,7 @@ def grid_placement(job, world_size: int, stages: int | None = None, nodes: list[
         if world_size < need:
             raise PlacementError(f"{r} replicas x {s} stages need {need} processes (or {need + 1}: the master holds no "
                                  f"stage then), got {world_size}: start {need + 1} processes (--local {need + 1})")
-        first = 1 if world_size > need else 0  # with exactly R x S processes the master holds the last copy
+        first = 1 if world_size > need else 0  # with exactly R x S processes the master holds a stage too
         columns = _by_node(r, s, list(range(first, world_size)), nodes or ["one"] * world_size)
         return [[Place(process_name(columns[k][i])) for k in range(s)] for i in range(r)]
     if isinstance(job.placement, str) or len(job.placement) != need:

@@ -118,3 +118,63 @@ def rpcmp_console():
 def _checkpoint_state(folder):
     from rpcmp.checkpoint import load_checkpoint
     return load_checkpoint(str(folder))["model"]
+
+
+def test_a_stage_merges_its_micro_batches_in_order_and_averages_once(job):
+    """rpcmp.reduce.StepReduce alone (a gloo group of this one process): micro-batches whose backward
+    leaves the stage out of order are merged in order, the all_reduce starts once, when all have left;
+    a parameter no micro-batch used gets no gradient; a late word changes nothing; a failed step
+    still takes part in its all_reduce; counts short of the copies are refused by name."""
+    import threading
+    import torch.distributed as dist
+    import torch.distributed.autograd as dist_autograd
+    from rpcmp.errors import StageError
+    from rpcmp.reduce import StepReduce
+    lin, unused = torch.nn.Linear(3, 2), torch.nn.Parameter(torch.ones(2))
+    params = {"fc.weight": lin.weight, "fc.bias": lin.bias, "gate": unused}
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    ctxs, ready, release = [None] * 3, [threading.Event() for _ in range(3)], threading.Event()
+
+    def micro(i):  # a context per micro-batch, alive until the test is done with it
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [lin(xs[i]).pow(2).sum()])
+            ctxs[i] = ctx
+            ready[i].set()
+            release.wait(60)
+    threads = [threading.Thread(target=micro, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(30) for e in ready)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        step = StepReduce(params, "stage 0", None, 1, first_seq=0, count=3, hook=False)
+        step.contexts.update(enumerate(ctxs))
+        step.left(2)
+        assert step.next == 0 and step.work is None  # 2 waits for 0 and 1
+        step.left(0)
+        assert step.next == 1 and step.work is None
+        step.left(1)
+        assert step.next == 3 and step.work is not None
+        step.average(ctxs[0])
+        grads = {p: g for p, g in dist_autograd.get_gradients(ctxs[0]).items()}
+        assert unused not in grads
+        lin.zero_grad()
+        lin(torch.cat(xs)).pow(2).sum().backward()  # the sum over the micro-batches, in one pass
+        assert_close_f32(grads[lin.weight], lin.weight.grad)
+        assert_close_f32(grads[lin.bias], lin.bias.grad)
+        work = step.work
+        step.left(1)  # late: the step is over
+        assert step.work is work
+        failed = StepReduce(params, "stage 0", None, 1, first_seq=0, count=3, hook=False)
+        failed.contexts.update(enumerate(ctxs))
+        failed.left(0)
+        failed.settle(wait=True)  # joins the step's all_reduce with zeros, and ends the step
+        assert failed.work is not None and failed.closed and failed.next == 1
+        short = StepReduce(params, "stage 0 (layers) on master", None, 2, first_seq=0, count=1, hook=False)
+        with pytest.raises(StageError, match=r"parameters \['fc.weight', 'fc.bias'\] got a gradient this step in some copies"):
+            short.average(ctxs[0])  # as if a second copy had used neither
+    finally:
+        dist.destroy_process_group()
+        release.set()
+        for t in threads:
+            t.join(30)
