@@ -26,6 +26,7 @@ from .checkpoint import read_state_file
 from .materialize import build_whole
 from .errors import JobError, RunAbortedError
 from .errors import WorkerLostError
+from .network import launch_store
 from .served import current
 from .stage_state import rng_state as process_rng_state, set_rng_state as set_process_rng_state
 from .hparams import load_scheduler_state, scheduler_state
@@ -59,9 +60,7 @@ def join(rank: int, world_size: int, hang_timeout: float = 0) -> None:
     from .health import Heartbeats
     served = current()
     served.device = init_ddp(rank, world_size, hang_timeout)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=30))
-    beats = served.heartbeats = Heartbeats(rank, world_size, hang_timeout, store, served.status)
+    beats = served.heartbeats = Heartbeats(rank, world_size, hang_timeout, launch_store(30), served.status)
     beats._beat()
     beats.start()
 

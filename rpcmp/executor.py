@@ -118,12 +118,11 @@ class _MicroBatches:
         pipe = self.pipe
         if i in self.into:
             self.merged[self.before[i]].wait()
-            if pipe.optimizer is not None and not self.errors and pipe.replica is not None:
-                # the owners merge as each backward leaves them: see [Note: the average overlaps the backward]
-                raise_failures(wait_all([rpc.rpc_async(o, stage.reduce_merged, args=(pipe.pid, i, self.ctx_ids[:i + 1]))
-                                         for o in pipe._param_owners]))
-            elif pipe.optimizer is not None and not self.errors:
-                target = self.ctx_ids[self.into[i]]
-                wait_all([rpc.rpc_async(o, stage.merge_grads, args=(pipe.pid, target, self.ctx_ids[i]))
-                          for o in pipe._param_owners])
+            if pipe.optimizer is not None and not self.errors:
+                if pipe.replica is not None:  # the owners merge as each backward leaves them: see
+                    # [Note: the average overlaps the backward] in rpcmp/reduce.py
+                    call, args = stage.reduce_merged, (pipe.pid, i, self.ctx_ids[:i + 1])
+                else:
+                    call, args = stage.merge_grads, (pipe.pid, self.ctx_ids[self.into[i]], self.ctx_ids[i])
+                raise_failures(wait_all([rpc.rpc_async(o, call, args=args) for o in pipe._param_owners]))
         self.merged[i].set()

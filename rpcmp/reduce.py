@@ -44,7 +44,23 @@ import torch.distributed.autograd as dist_autograd
 from .errors import StageError
 from .microbatch import tensors
 
-__all__ = ["StepReduce"]
+__all__ = ["StepReduce", "param_grads", "add_grads"]
+
+
+def param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """Context ``ctx_id``'s gradients of ``params`` (not of inputs that needed one while tracing);
+    the context's own tensors, so adding into them changes what the optimizer reads."""
+    return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
+
+
+def add_grads(base: dict[torch.Tensor, torch.Tensor], more: dict[torch.Tensor, torch.Tensor], where: str) -> None:
+    """Add a later micro-batch's gradients ``more`` into the first's ``base``, for one optimizer step."""
+    for param, grad in more.items():
+        if param not in base:
+            raise StageError(f"a parameter of shape {tuple(param.shape)} on {where} got a gradient from a later "
+                             f"micro-batch but not from the first; use Job(schedule='gpipe') for models whose "
+                             f"micro-batches use different parameters")
+        base[param].add_(grad)
 
 
 class StepReduce:
@@ -53,6 +69,8 @@ class StepReduce:
     def __init__(self, params: dict[str, torch.Tensor], where: str, group, copies: int,
                  first_seq: int, count: int, hook: bool):
         self.names, self.params = list(params), list(params.values())
+        self._mine = set(self.params)
+        self._base: dict | None = None  # the first context's gradients, read once
         self.where, self.group, self.copies = where, group, copies
         self.first, self.count, self.hook = first_seq, count, hook
         self.contexts: dict[int, int] = {}  # micro-batch -> its distributed-autograd context
@@ -101,19 +119,15 @@ class StepReduce:
                 self.early = by_backward
 
     def _grads(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
-        mine = set(self.params)
-        return {p: g for p, g in dist_autograd.get_gradients(self.contexts[i]).items() if p in mine}
+        if i:
+            return param_grads(self._mine, self.contexts[i])
+        if self._base is None:  # merges add into these tensors: no parameter joins them later
+            self._base = param_grads(self._mine, self.contexts[0])
+        return self._base
 
     def _merge(self, i: int) -> None:
         try:
-            base = self._grads(0)
-            for param, grad in self._grads(i).items():
-                if param not in base:
-                    raise StageError(
-                        f"a parameter of shape {tuple(param.shape)} on {self.where} got a gradient from a later "
-                        f"micro-batch but not from the first; use Job(schedule='gpipe') for models whose "
-                        f"micro-batches use different parameters")
-                base[param].add_(grad)
+            add_grads(self._grads(0), self._grads(i), self.where)
         except Exception as exc:  # noqa: BLE001 - raised by average(); the all_reduce still takes place
             self.error = exc
 

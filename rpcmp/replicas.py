@@ -49,6 +49,7 @@ import torch.utils._pytree as pytree
 
 from . import health
 from .errors import JobError, PlacementError
+from .network import launch_store
 from .microbatch import batch_size
 from .partition import Split, SplitAt
 from .placement import Place, process_name, resolve_placement
@@ -115,8 +116,7 @@ def this_node() -> str:
 
 def share_nodes(rank: int, world_size: int, timeout: float) -> list[str]:
     """Every rank's node, the same list on every rank (through the launch's store, before RPC)."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=timeout))
+    store = launch_store(timeout)
     key = f"rpcmp/node/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     store.set(key + str(rank), this_node())
     return [store.get(key + str(q)).decode() for q in range(world_size)]
@@ -128,7 +128,7 @@ def join_stage_groups(job, rank: int, world_size: int, served) -> None:
     creating a group is a collective of the whole world."""
     grid = grid_placement(job, world_size, nodes=served.nodes)
     timeout = timedelta(seconds=max(60.0, job.hang_timeout or 0))
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    store = launch_store(timeout.total_seconds())
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # The world's group is gloo whatever the devices (a master or a CPU stage has no GPU for NCCL);
     # the groups of CUDA stages are NCCL's.

@@ -22,7 +22,7 @@ from .errors import RunAbortedError, StageError
 from .errors import WorkerLostError
 from .health import Watchdog
 from .job import Job, load_job
-from .network import preflight
+from .network import launch_store, preflight
 from .placement import device_maps_for, process_name, resolve_placement
 from .replicas import grid_placement, join_stage_groups, leave_stage_groups, share_nodes, stage_count
 from .served import current, serve
@@ -241,11 +241,7 @@ def _agree_on_attempt(world_size: int) -> None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RUN_ID" not in os.environ:
         return  # not under torchrun (launch_local and daemons: a fresh store per run)
-    import torch.distributed as dist
-    from datetime import timedelta
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))
-    arrived = store.add("rpcmp/arrived", 1)
+    arrived = launch_store(60).add("rpcmp/arrived", 1)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str((arrived - 1) // world_size)
 
 

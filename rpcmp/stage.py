@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .admission import InOrder
@@ -55,7 +54,7 @@ from .microbatch import check_tensors, map_tensors, tensors, to_device
 from .partition import StageSpec, build_stage
 from .recompute import Recomputed, make_recomputable
 from .placement import MASTER, Place, check_device
-from .reduce import StepReduce
+from .reduce import StepReduce, add_grads, param_grads
 from .served import current
 
 # The RPC endpoints the master calls (rpcmp.pipeline, rpcmp.executor, rpcmp.inbox); each finds
@@ -243,11 +242,6 @@ def post(pid: int, index: int, seq: int, values: dict) -> None:
         host.gate.receive(seq, values)
 
 
-def _param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """The context's gradients of ``params`` (not of inputs that needed one while tracing)."""
-    return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
-
-
 def merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
     """Add context ``ctx``'s gradients into ``base_ctx``'s, for one optimizer step.
 
@@ -255,15 +249,7 @@ def merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
     updates what the DistributedOptimizer will read from ``base_ctx``.
     """
     params = named_params(pid)
-    base = _param_grads(params, base_ctx)
-    for param, grad in _param_grads(params, ctx).items():
-        if param not in base:
-            raise StageError(
-                f"a parameter of shape {tuple(param.shape)} on {_whoami()} got a gradient from a later "
-                f"micro-batch but not from the first; use Job(schedule='gpipe') for models whose "
-                f"micro-batches use different parameters"
-            )
-        base[param].add_(grad)
+    add_grads(param_grads(params, base_ctx), param_grads(params, ctx), _whoami())
 
 
 def _reducing(pid: int) -> list[StageHost]:
@@ -321,11 +307,11 @@ def settle_reduce(pid: int, wait: bool) -> None:
 
 def grad_sq_norm(pid: int, ctx_id: int) -> float:
     """Sum of squares of this process's parameter gradients in the context (for global clipping)."""
-    return float(sum(g.double().pow(2).sum() for g in _param_grads(named_params(pid), ctx_id).values()))
+    return float(sum(g.double().pow(2).sum() for g in param_grads(named_params(pid), ctx_id).values()))
 
 
 def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
-    for g in _param_grads(named_params(pid), ctx_id).values():
+    for g in param_grads(named_params(pid), ctx_id).values():
         g.mul_(scale)
 
 
