@@ -146,6 +146,7 @@ class DDPEngine:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.nonfinite.updated = True
         if self.scheduler is not None:
             self.scheduler.step()
         return total.item(), self.job.batch_size * len(group)

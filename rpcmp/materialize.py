@@ -39,7 +39,8 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "set_tensor"]
+__all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "tensor_table", "set_tensor", "attach_tensor",
+           "graph_constants", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
 
 _LOCAL = threading.local()  # the registration hooks act only in the thread that builds
 
@@ -80,6 +81,94 @@ def set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
         owner._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
     else:
         owner._buffers[leaf] = value
+
+
+def tensor_table(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` under each of its names (tied ones under all)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def attach_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Register ``value`` as the parameter or buffer ``name`` of ``module``, making the empty
+    submodules its path needs (a tensor no traced graph reads, see [Note: parameters forward does not use])."""
+    *path, leaf = name.split(".")
+    owner = module
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    if isinstance(value, nn.Parameter):
+        owner.register_parameter(leaf, value)
+    else:
+        owner.register_buffer(leaf, value)
+
+
+def graph_constants(module: nn.Module) -> list[str]:
+    """Qualified names of the tensors ``module``'s graphs read that are neither parameters nor
+    buffers: constants the trace lifted (a plain tensor attribute, a tensor ``forward`` made)."""
+    held = set(tensor_table(module))
+    found = []
+    for prefix, m in module.named_modules():
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            name = f"{prefix}.{node.target}" if prefix else str(node.target)
+            if node.op == "get_attr" and name not in held and isinstance(_attr(module, name), torch.Tensor):
+                found.append(name)
+    return found
+
+
+def _attr(obj, name: str):
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def read_constant(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The value of constant ``name`` in the built model, if it is a real tensor there."""
+    value = _attr(model, name)
+    return value if isinstance(value, torch.Tensor) and not value.is_meta else None
+
+
+def set_constant(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner_name) if owner_name else module, leaf, value)
+
+
+def keep_persistence(model: nn.Module, modules) -> None:
+    """Buffers that are not in ``model``'s ``state_dict`` (RoPE's ``inv_freq``, a causal mask) stay
+    out of the stages' too: their values come from the construction, not from checkpoints."""
+    transient = {f"{p}.{b}" if p else b for p, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    for module in modules:
+        for name, _ in module.named_buffers(remove_duplicate=False):
+            if name in transient:
+                owner_name, _, leaf = name.rpartition(".")
+                (module.get_submodule(owner_name) if owner_name else module)._non_persistent_buffers_set.add(leaf)
+
+
+def check_materialized(modules: dict[str, nn.Module], where: str) -> None:
+    """Refuse, by name, a built stage that would read a tensor with no value: a parameter, buffer or
+    constant left on the meta device, a graph that creates tensors on the meta device, or a
+    parameter holding NaN (memory that was never written). See [Note: every tensor a stage reads]."""
+    from .traced import graph_devices
+    wrong = []
+    for kind, module in modules.items():
+        seen = set()
+        for name, t in [*tensor_table(module).items(), *((n, _attr(module, n)) for n in graph_constants(module))]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if t.is_meta:
+                wrong.append(f"{name} is on the meta device")
+            elif isinstance(t, nn.Parameter) and t.is_floating_point() and torch.isnan(t).any():
+                wrong.append(f"{name} holds NaN")
+        wrong += [f"graph node {n} ({kind} graph) creates tensors on {d}" for n, d in graph_devices(module).items()
+                  if d.startswith("meta")]
+    if wrong:
+        raise PartitionError(f"{where} has tensors without their unsplit values: {'; '.join(sorted(set(wrong))[:8])}"
+                             f"{' ...' if len(set(wrong)) > 8 else ''}. Run `rpcmp plan JOB --check` to compare the stages "
+                             f"with the unsplit model")
 
 
 class _Hooks:

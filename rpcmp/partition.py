@@ -17,7 +17,7 @@ A stage is called with one argument, the previous stage's output.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -27,9 +27,10 @@ import torch.utils._pytree as pytree
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
-from .materialize import build_part, build_whole, meta_model, set_tensor, tensor_names
-from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, stage_module,
-                     trace_split)
+from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
+                          meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
+from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, place_graph,
+                     stage_module, trace_split)
 from .errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
@@ -82,6 +83,8 @@ class StageSpec:
     total: int = 0  # "slice": layers the whole nn.Sequential must have (sum of the balance)
     example: Any = None  # "traced": shapes and dtypes of the micro-batch the owner traces with
     has_bn: bool = False  # "traced": the model has BatchNorm (a traced graph holds no BatchNorm modules)
+    unused: tuple[str, ...] = ()  # "traced": tensors no graph reads, kept here (see [Note: parameters forward does not use])
+    tied: tuple[tuple[str, str], ...] = ()  # (name here, the unsplit model's first name) of parameters other stages share
 
 
 def declaration_kind(stages: Any) -> str:
@@ -126,15 +129,16 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
                     f"stages given by name are checked against {type(model).__name__}.forward on one sample batch, "
                     f"but the job has no data: give Job(data=...), or declare the stages as modules or a Split")
             check_chain(model, flat, _on_meta(sample))
-        return specs
+        return _with_shared(model, specs)
     if kind == "modules":
         return [StageSpec(i, _label(s), "modules", prefix=f"{i}.") for i, s in enumerate(stages)]
     if kind == "traced":
         return _plan_traced(job, sample)
     balance = list(stages.balance) if stages.balance is not None else None
+    model = meta_model(job)
     if balance is None:
         if stages.by == "params":
-            balance = balance_by_params(_as_sequential(meta_model(job)), stages.parts)
+            balance = balance_by_params(_as_sequential(model), stages.parts)
         else:  # timing needs real layers: the master builds the model (documented at Split)
             if sample is None:
                 raise PartitionError("Split(by='time') needs a sample batch: give the job data=... so one can be drawn")
@@ -144,15 +148,30 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         specs.append(StageSpec(i, f"layers[{start}:{start + n}]", "slice", start=start, stop=start + n,
                                total=sum(balance)))
         start += n
-    return specs
+    return _with_shared(model, specs)
 
 
-def build_stage(job, spec: StageSpec, meta: bool = False) -> nn.Module:
+def _with_shared(model: nn.Module, specs: list[StageSpec]) -> list[StageSpec]:
+    """``specs`` of a names or slice declaration with the parameters their stages share."""
+    every = tensor_table(model)
+    held = [{n for n in every if n.startswith(_heads(s))} for s in specs]
+    return [replace(s, tied=tuple((name[len(s.prefix):], key) for name, key in t))
+            for s, t in zip(specs, _shared(model, held))]
+
+
+def _heads(spec: StageSpec) -> tuple[str, ...]:
+    """Name prefixes of the unsplit model's tensors that a names or slice stage holds."""
+    return tuple(f"{n}." for n in spec.names) if spec.kind == "names" else \
+        tuple(f"{i}." for i in range(spec.start, spec.stop))
+
+
+def build_stage(job, spec: StageSpec, meta: bool = False, device: torch.device | str | None = None) -> nn.Module:
     """Build the module of one stage (owner side) and no more of the model: its values are
     those of the unsplit model built with ``torch.manual_seed(job.seed)`` (see [Note: each
-    owner materializes only its part]). ``meta``: its structure only, on the meta device."""
+    owner materializes only its part]). ``meta``: its structure only, on the meta device; ``device``:
+    where the stage will run (a traced graph creates tensors there)."""
     if spec.kind == "traced":  # see [Note: split points on the traced model]
-        return _build_traced(job, spec, meta)
+        return _build_traced(job, spec, meta, device)
     if meta and spec.kind != "modules":
         return _pick(job, spec, meta_model(job))
     if spec.kind == "modules":
@@ -162,8 +181,7 @@ def build_stage(job, spec: StageSpec, meta: bool = False) -> nn.Module:
         if not isinstance(module, nn.Module):
             raise PartitionError(f"stage {spec.index} factory {_label(item)} returned {type(module).__name__}, expected an nn.Module")
         return module.to("meta") if meta else module
-    heads = tuple(f"{n}." for n in spec.names) if spec.kind == "names" else \
-        tuple(f"{i}." for i in range(spec.start, spec.stop))
+    heads = _heads(spec)
     return _pick(job, spec, build_part(job, lambda key: key.startswith(heads)))
 
 
@@ -184,20 +202,36 @@ def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
     return seq[spec.start:spec.stop]
 
 
-def _build_traced(job, spec: StageSpec, meta: bool = False) -> nn.Module:
+def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device | str | None = None) -> nn.Module:
     """Trace the model on the meta device as the master did, then give this stage, and only it,
-    the unsplit model's values."""
+    the unsplit model's values: every tensor its graphs read (see [Note: every tensor a stage reads])."""
     example = from_example(spec.example, "meta")
-    stage = stage_module(trace_split(meta_model(job), job.stages, example), spec.index)
-    evaluated = attach_eval(stage, trace_split(meta_model(job).eval(), job.stages, example), spec.index)
+    pipes = [trace_split(meta_model(job), job.stages, example), trace_split(meta_model(job).eval(), job.stages, example)]
+    if not meta:
+        for pipe in pipes:  # see [Note: a traced graph names the device it was traced on]
+            place_graph(pipe, spec.index, torch.device(device or "cpu"))
+    stage = stage_module(pipes[0], spec.index)
+    evaluated = attach_eval(stage, pipes[1], spec.index)
     if meta:
+        meta_values = tensor_table(meta_model(job))
+        for name in spec.unused:
+            attach_tensor(stage, name, meta_values[name])
         return stage
     names = {m: {n for names in tensor_names(m).values() for n in names} for m in (stage, evaluated)}
-    model = build_part(job, (names[stage] | names[evaluated]).__contains__)
-    values = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    constants = {m: graph_constants(m) for m in (stage, evaluated)}
+    model = build_part(job, (names[stage] | names[evaluated] | set(spec.unused)).__contains__)
+    values = tensor_table(model)
     for module, mine in names.items():  # one set of tensors for both graphs
         for name in mine:
             set_tensor(module, name, values[name])
+        for name in constants[module]:
+            value = read_constant(model, name)
+            if value is not None:
+                set_constant(module, name, value.to(device or "cpu"))
+    for name in spec.unused:  # see [Note: parameters forward does not use]
+        attach_tensor(stage, name, values[name])
+    keep_persistence(model, (stage, evaluated))
+    check_materialized({"train": stage, "eval": evaluated}, f"stage {spec.index} ({spec.name})")
     return stage
 
 
@@ -214,10 +248,14 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
     example = _on_meta(scatter(sample, job.microbatches)[0])
     model = meta_model(job)  # see [Note: each owner materializes only its part]
     pipe = trace_split(model, job.stages, example)
-    keys = {k for i in range(pipe.num_stages) for k in pipe.get_stage_module(i).state_dict()}
-    if keys != set(model.state_dict()):  # the promise of SplitAt: the unsplit model's names, all of them
-        raise PartitionError(f"SplitAt: the traced stages hold other state than {type(model).__name__} "
-                             f"({sorted(keys ^ set(model.state_dict()))[:5]}...); declare the stages another way")
+    held = [set(tensor_table(pipe.get_stage_module(i))) for i in range(pipe.num_stages)]
+    every = tensor_table(model)
+    strange = sorted(set().union(*held) - set(every))
+    if strange:  # the promise of SplitAt: the unsplit model's names
+        raise PartitionError(f"SplitAt: the traced stages hold tensors {type(model).__name__} has no name for "
+                             f"({strange[:5]}{'...' if len(strange) > 5 else ''}); declare the stages another way")
+    unused = _place_unused(model, held)
+    tied = _shared(model, [h | set(u) for h, u in zip(held, unused)])
     check_any_batch_size(pipe, example)
     evaluated = trace_split(meta_model(job).eval(), job.stages, example)  # see [Note: a traced stage in eval mode]
     check_same_cut(pipe, evaluated)
@@ -225,7 +263,56 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
     bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
-                      example=example_of(example), has_bn=bn) for i in range(pipe.num_stages)]
+                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i])
+            for i in range(pipe.num_stages)]
+
+
+def _place_unused(model: nn.Module, held: list[set[str]]) -> list[list[str]]:
+    """Where each parameter or buffer that no stage graph reads goes.
+
+    [Note: parameters forward does not use]
+    A traced stage holds what its graph reads; a tensor ``forward`` never reads (a pooler, a
+    positional table another configuration uses) is in no graph, yet it is part of the model and
+    of its ``state_dict``. It is kept, with the stage that holds the same tensor under another
+    name (a tied alias), else with the stage that holds its nearest relative by name (its module's
+    other tensors), else with the first stage; it gets no gradient, so no optimizer moves it, and
+    checkpoints carry it as the plain model's do."""
+    names = tensor_names(model)
+    every = [n for group in names.values() for n in group]
+    placed: list[list[str]] = [[] for _ in held]
+    for group in names.values():
+        for name in group:
+            if any(name in h for h in held):
+                continue
+            twin = next((i for i, h in enumerate(held) if any(n in h for n in group)), None)
+            placed[twin if twin is not None else _nearest(name, held)].append(name)
+    assert sum(map(len, placed)) + len(set().union(*held) & set(every)) >= len(set(every))
+    return placed
+
+
+def _nearest(name: str, held: list[set[str]]) -> int:
+    def common(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(a.split("."), b.split(".")):
+            if x != y:
+                break
+            n += 1
+        return n
+    scores = [max((common(name, h) for h in names), default=0) for names in held]
+    return scores.index(max(scores)) if max(scores) else 0
+
+
+def _shared(model: nn.Module, held: list[set[str]]) -> list[tuple[tuple[str, str], ...]]:
+    """For each stage: (its name, the unsplit model's first name) of every parameter it shares with
+    another stage (see [Note: a parameter shared by stages] in rpcmp/tied.py)."""
+    params = {id(p) for p in model.parameters()}
+    out: list[list[tuple[str, str]]] = [[] for _ in held]
+    for key, group in tensor_names(model).items():
+        holders = {i: next(n for n in group if n in h) for i, h in enumerate(held) if any(n in h for n in group)}
+        if key in params and len(holders) > 1:
+            for i, name in holders.items():
+                out[i].append((name, group[0]))
+    return [tuple(t) for t in out]
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:

@@ -70,6 +70,7 @@ from torch.distributed.optim import DistributedOptimizer
 from . import health
 from . import inbox
 from . import stage
+from . import tied
 from .errors import JobError, StageError
 from .data import needs_sample, sample_batch
 from .executor import run_step
@@ -235,8 +236,12 @@ class Pipeline(PipelineState):
             # The copies decide alike on the same mean loss; only the first says so (a warning, an error).
             if index and not torch.isfinite(loss).all():
                 return
-        if self._finite(loss) and self._unscale_and_clip(ctx_id):
+        if not self._finite(loss):
+            return
+        tied.sum_shared(self, ctx_id)  # see [Note: a parameter shared by stages]
+        if self._unscale_and_clip(ctx_id):
             self.optimizer.step(ctx_id)
+            self.nonfinite.updated = True
             self._schedule_lr()
 
     def _begin_reduce(self, first_seq: int, count: int, per_microbatch: bool) -> None:
@@ -262,7 +267,10 @@ class Pipeline(PipelineState):
         False: skip this step (an fp16 overflow)."""
         if not self.gradients.needs_norm:
             return True
-        sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id)) for o in self._param_owners])
+        skips = tied.norm_skips(self.specs)  # a shared parameter counts once
+        skip = {o: tuple(s.prefix + n for s in self.specs if self._owners[s.index] == o for n in skips.get(s.index, ()))
+                for o in self._param_owners}
+        sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id, skip[o])) for o in self._param_owners])
         coef = self.gradients.coefficient(math.sqrt(sum(sq)))
         if coef is None:
             return False

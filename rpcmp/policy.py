@@ -21,6 +21,7 @@ class NonFinite:
 
     def __init__(self, mode: str, where: str = ""):
         self.mode, self.where, self.skipped = mode, where, 0
+        self.updated = False  # whether any step has changed the parameters yet
 
     def allows(self, loss: torch.Tensor) -> bool:
         """True if the step may update the parameters; False (skip) or raise for a NaN/inf loss."""
@@ -32,6 +33,11 @@ class NonFinite:
             warnings.warn(f"loss is {value}{self.where}: this step's update was skipped (Job.nonfinite='skip'); "
                           f"{self.skipped} skipped so far", RuntimeWarning, stacklevel=3)
             return False
+        if not self.updated:  # the parameters it started from give it: the learning rate cannot be the cause
+            raise NonFiniteLossError(
+                f"the loss is {value}{self.where} before any update in this run: the model gives a non-finite loss "
+                f"with the parameters it started from, so the learning rate is not the cause. Compare the stages with "
+                f"the unsplit model on one batch with `rpcmp plan JOB --check`, and check the data and the loss")
         raise NonFiniteLossError(
             f"the loss is {value}{self.where}: training stopped before the optimizer step, so the parameters are "
             f"still finite. Lower the learning rate, check the data, or set Job(nonfinite='skip') to skip such steps")

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .admission import InOrder
@@ -60,7 +61,7 @@ from .served import current
 # The RPC endpoints the master calls (rpcmp.pipeline, rpcmp.executor, rpcmp.inbox); each finds
 # the stage it acts on in this process's rpcmp.served.Served.
 __all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "begin_reduce", "reduce_merged",
-           "average_grads", "settle_reduce", "grad_sq_norm", "scale_grads", "set_fields", "get_fields", "set_training",
+           "average_grads", "settle_reduce", "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads", "set_fields", "get_fields", "set_training",
            "set_trace", "stats", "release", "named_params"]
 
 
@@ -184,7 +185,7 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
         # draws its initial weights from it, so they must not interleave.
         served = current()
         with served.build_lock:
-            module = build_stage(served.job, spec).to(device)
+            module = build_stage(served.job, spec, device=device).to(device)
     except Exception as exc:  # noqa: BLE001 - reported on the master
         return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
     keep = bool(options["device_maps"])
@@ -305,9 +306,24 @@ def settle_reduce(pid: int, wait: bool) -> None:
         host.reduce.settle(wait)
 
 
-def grad_sq_norm(pid: int, ctx_id: int) -> float:
-    """Sum of squares of this process's parameter gradients in the context (for global clipping)."""
-    return float(sum(g.double().pow(2).sum() for g in param_grads(named_params(pid), ctx_id).values()))
+def grad_sq_norm(pid: int, ctx_id: int, skip: tuple = ()) -> float:
+    """Sum of squares of this process's parameter gradients in the context (for global clipping),
+    leaving out the names in ``skip`` (copies of a shared parameter counted on another stage)."""
+    params = {p: n for p, n in named_params(pid).items() if n not in skip}
+    return float(sum(g.double().pow(2).sum() for g in param_grads(params, ctx_id).values()))
+
+
+def shared_grad(pid: int, index: int, name: str, ctx_id: int) -> torch.Tensor | None:
+    """Stage ``index``'s gradient of its parameter ``name`` in the context, or None (see [Note: a
+    parameter shared by stages] in rpcmp/tied.py)."""
+    param = current().host(pid, index).module.get_parameter(name)
+    grad = dist_autograd.get_gradients(ctx_id).get(param)
+    return None if grad is None else grad.detach().cpu()
+
+
+def set_shared_grad(pid: int, index: int, name: str, ctx_id: int, value: torch.Tensor) -> None:
+    param = current().host(pid, index).module.get_parameter(name)
+    dist_autograd.get_gradients(ctx_id)[param].copy_(value)
 
 
 def scale_grads(pid: int, ctx_id: int, scale: float) -> None:

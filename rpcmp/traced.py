@@ -50,7 +50,7 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
+__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
            "example_of", "from_example"]
 
 
@@ -126,7 +126,7 @@ def _dynamic_batch(pipe_cls):
 
     def trace(mod, example_args, example_kwargs=None):
         batch = torch.export.Dim("batch")
-        shapes = pytree.tree_map(lambda t: {0: batch} if isinstance(t, torch.Tensor) and t.dim() else None,
+        shapes = pytree.tree_map(lambda t: _dims(t, batch) if isinstance(t, torch.Tensor) and t.dim() else None,
                                  example_args)
         return torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
     pipe_cls._trace_with_export = staticmethod(trace)
@@ -134,6 +134,12 @@ def _dynamic_batch(pipe_cls):
         yield
     finally:
         pipe_cls._trace_with_export = plain
+
+
+def _dims(t: torch.Tensor, batch) -> dict:
+    """Dimension 0 is the batch; dimension 1 (tokens, time) is dynamic where the model allows it
+    (``Dim.AUTO``: export keeps it static where the model fixes it, see [Note: any sequence length])."""
+    return {0: batch, 1: torch.export.Dim.AUTO} if t.dim() >= 2 else {0: batch}
 
 
 class _Route:
@@ -290,6 +296,52 @@ def stage_module(pipe, index: int) -> nn.Module:
     module = _graph_module(pipe, index)
     module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe))
     return module
+
+
+def place_graph(pipe, index: int, device: torch.device) -> None:
+    """Make stage ``index`` of ``pipe``, traced on the meta device, create its tensors on ``device``.
+
+    [Note: a traced graph names the device it was traced on]
+    ``torch.export`` records the device of every tensor ``forward`` creates: ``torch.arange(t,
+    device=idx.device)`` (positions), a causal mask, ``.to(x.device)``, and the device checks export
+    inserts (``_assert_tensor_metadata``). Traced on the meta device, the graph says ``meta`` there,
+    and on an owner such a tensor is made on the meta device: an op between it and a real tensor
+    either fails ("Tensor device mismatch") or, for some kernels, reads memory that holds nothing
+    (a nanoGPT-style decoder's positional embedding gave NaN). Every ``meta`` in the graph's
+    arguments is rewritten to the owner's device before the stage runs, and
+    :func:`rpcmp.materialize.check_materialized` refuses a stage whose graph still names ``meta``.
+    Must run before :func:`stage_module` / :func:`attach_eval`, which capture ``forward``."""
+    hits = []
+
+    def swap(a):
+        if isinstance(a, torch.device) and a.type == "meta":
+            hits.append(a)
+            return device
+        return a
+    for module in pipe.get_stage_module(index).modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        hits.clear()
+        for node in graph.nodes:
+            before = len(hits)
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), swap)
+            if len(hits) > before:
+                node.args, node.kwargs = args, kwargs
+        if hits:
+            module.recompile() if isinstance(module, torch.fx.GraphModule) else module.finalize()
+
+
+def graph_devices(module: nn.Module) -> dict[str, str]:
+    """Nodes of ``module``'s graphs (and its submodules') whose arguments name a device: name -> device."""
+    found = {}
+    for prefix, m in module.named_modules():
+        graph = getattr(m, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            for node in graph.nodes:
+                torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a, n=node, p=prefix: found.__setitem__(
+                    f"{p + '.' if p else ''}{n.name}", str(a)) if isinstance(a, torch.device) else None)
+    return found
 
 
 def _graph_module(pipe, index: int) -> nn.Module:

@@ -1,0 +1,104 @@
+"""Decoder language models cut on their traced graph train as the unsplit model does.
+
+Hugging Face GPT-2 (its head tied to its token embedding, across stages), Hugging Face Llama
+(RoPE's non-persistent ``inv_freq``, RMSNorm, grouped-query attention) and a nanoGPT-style
+decoder (positions made in ``forward``, causal attention, head tied to the embedding), each
+in 3 stages on 3 real processes: losses, parameters and keys after 3 steps, eval-mode
+predictions, and batches whose sequence length changes from step to step.
+"""
+import pytest
+import torch
+
+import rpcmp
+from helpers import assert_close_f32, load, run_ranks, train_reference
+
+pytestmark = pytest.mark.integration
+
+STEPS = 3
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+              "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1, "eps": 1e-6})}
+# eps=1e-6: Adam's step lr * g / (|g| + eps) moves by at most lr * |dg| / eps when rounding moves a gradient
+# element by dg (micro-batch sums against the whole batch's, ~1e-9 here): 1e-6, under float32 tolerance. With
+# eps=1e-8 that bound is 1e-4, and an element whose gradient is near zero (a key bias: zero in exact arithmetic,
+# since softmax ignores a shift shared by all keys) steps by lr in a direction rounding picks.
+CASES = [(opt, sched, m) for opt in OPTIMIZERS for sched in ("overlap", "1f1b") for m in (1, 4)]
+LENGTHS = (16, 24, 9)
+MODELS = {"hf_gpt2": ("m.transformer.wte.weight", "m.lm_head.weight"), "hf_llama": None,
+          "nanogpt": ("wte.weight", "head.weight")}
+
+
+def _batches(job):
+    train, _ = job.data()
+    return [train[i * job.batch_size:(i + 1) * job.batch_size] for i in range(STEPS)]
+
+
+def _ragged():
+    """Batches of 8 sequences whose length changes from step to step."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for t in LENGTHS:
+        tokens = torch.randint(0, 64, (8, t + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def _train(job, world_size):
+    data, out = _batches(job), {}
+    for opt, sched, m in CASES:
+        pipe = rpcmp.Pipeline(job, world_size, microbatches=m, optimizer=OPTIMIZERS[opt], schedule=sched)
+        losses = [pipe.train_step(x, y).item() for x, y in data]
+        pipe.eval()
+        out[(opt, sched, m)] = (losses, pipe.state_dict(), pipe.predict(data[0][0]))
+        pipe.close()
+    pipe = rpcmp.Pipeline(job, world_size, optimizer=OPTIMIZERS["adamw"])
+    out["ragged"] = ([pipe.train_step(x, y).item() for x, y in _ragged()], pipe.state_dict())
+    pipe.close()
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_runs(request):
+    # one intra-op thread in the stages and the reference: the same kernels on both sides
+    return request.param, run_ranks(request.param, 3, _train, overrides={"threads": 1}, timeout=500)
+
+
+def _reference(job, optimizer, data):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(job.seed)
+        model = job.model()
+        losses, state = train_reference(model, optimizer, job.loss, data)
+        model.eval()
+        with torch.no_grad():
+            return losses, state, model(data[0][0]), model
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.timeout(600)
+def test_language_models_train_as_the_unsplit_model(model_runs):
+    name, runs = model_runs
+    job = load(name)
+    refs = {opt: _reference(job, optimizer, _batches(job)) for opt, optimizer in OPTIMIZERS.items()}
+    for opt, sched, m in CASES:
+        losses, state, predicted = runs[(opt, sched, m)]
+        ref_losses, ref_state, ref_predicted, _ = refs[opt]
+        where = f"{name} {opt} {sched} M={m}"
+        assert sorted(state) == sorted(ref_state), where  # the unsplit model's keys, no more, no fewer
+        assert_close_f32(losses, ref_losses, msg=lambda e: f"{where}: {e}")
+        assert_close_f32(state, ref_state, msg=lambda e: f"{where}: {e}")
+        assert_close_f32(predicted, ref_predicted, msg=lambda e: f"{where} eval: {e}")
+        if MODELS[name]:  # the tied pair is one parameter: equal on both stages, bit for bit
+            a, b = MODELS[name]
+            torch.testing.assert_close(state[a], state[b], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(600)
+def test_sequence_length_changes_from_step_to_step(model_runs):
+    name, runs = model_runs
+    job = load(name)
+    losses, state = runs["ragged"]
+    ref_losses, ref_state, _, _ = _reference(job, OPTIMIZERS["adamw"], _ragged())
+    assert_close_f32(losses, ref_losses, msg=lambda e: f"{name}: {e}")
+    assert_close_f32(state, ref_state, msg=lambda e: f"{name}: {e}")
