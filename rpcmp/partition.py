@@ -29,8 +29,8 @@ from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
 from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
-from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, place_graph,
-                     stage_module, trace_split)
+from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, forget_trace, from_example,
+                     place_graph, stage_module, trace_split)
 from .errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
@@ -232,6 +232,7 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
         attach_tensor(stage, name, values[name])
     keep_persistence(model, (stage, evaluated))
     check_materialized({"train": stage, "eval": evaluated}, f"stage {spec.index} ({spec.name})")
+    forget_trace((stage, evaluated))
     return stage
 
 

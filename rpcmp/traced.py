@@ -41,6 +41,7 @@ dimension of size 1 dynamic, so a one-sample micro-batch is traced as two.
 from __future__ import annotations
 
 import contextlib
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
+__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "forget_trace", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
            "example_of", "from_example"]
 
 
@@ -88,8 +89,7 @@ def from_example(example: tuple, device: str = "cpu") -> Any:
 def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``
     with a dynamic batch size where the model allows it (see [Note: any batch size])."""
-    from torch.distributed.pipelining import SplitPoint, pipeline
-    from torch.distributed.pipelining._IR import Pipe
+    from torch.distributed.pipelining import SplitPoint
     names = {n for n, _ in model.named_modules() if n}
     missing = [p for p in split.points if p not in names]
     if missing:
@@ -101,14 +101,8 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
                              else t, sample)
     try:
-        try:
-            with _dynamic_batch(Pipe):
-                return pipeline(model, mb_args=(sample,), split_spec=spec)
-        except Exception:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
-            for point in split.points:  # pipeline() leaves the split points' forward wrapped
-                for attr in ("forward", "_orig_forward"):
-                    model.get_submodule(point).__dict__.pop(attr, None)
-            return pipeline(model, mb_args=(sample,), split_spec=spec)
+        with _no_collection():
+            return _pipeline(model, split, spec, sample)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
         exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
         raise PartitionError(
@@ -116,6 +110,40 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}. Data-dependent control flow "
             f"(an `if` on a tensor's values) cannot be traced: use torch.cond, move it into one stage's module and "
             f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """No cyclic garbage collection while ``torch.export`` traces.
+
+    [Note: no garbage collection while tracing]
+    An owner builds a stage on one RPC thread while others answer the master; Python's cyclic
+    collector runs in whichever thread allocates, with the finalizers of whatever is garbage
+    (the graphs, fake tensors and shape environments of earlier traces). Run in the middle of an
+    export, it now and then froze the whole process: a Hugging Face Llama stage, built for the
+    ninth time in one process, stopped answering pings for the 20 s of ``Job.hang_timeout``, in 2 to
+    3 of 4 launches; with the collector off while tracing, 0 of 8. The garbage is collected when the
+    trace is done, in the tracing thread."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
+    from torch.distributed.pipelining import pipeline
+    from torch.distributed.pipelining._IR import Pipe
+    try:
+        with _dynamic_batch(Pipe):
+            return pipeline(model, mb_args=(sample,), split_spec=spec)
+    except Exception:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
+        for point in split.points:  # pipeline() leaves the split points' forward wrapped
+            for attr in ("forward", "_orig_forward"):
+                model.get_submodule(point).__dict__.pop(attr, None)
+        return pipeline(model, mb_args=(sample,), split_spec=spec)
 
 
 @contextlib.contextmanager
@@ -342,6 +370,19 @@ def graph_devices(module: nn.Module) -> dict[str, str]:
                 torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a, n=node, p=prefix: found.__setitem__(
                     f"{p + '.' if p else ''}{n.name}", str(a)) if isinstance(a, torch.device) else None)
     return found
+
+
+def forget_trace(modules) -> None:
+    """Drop what tracing left on the graphs' nodes (fake tensors, symbolic sizes, their shape
+    environment): a built stage runs without it, and freed later, from whichever thread drops the
+    stage, it raced with the next build's tracing on another RPC thread of the same owner (an owner
+    stopped answering, now and then, while it built its ninth stage in one process)."""
+    for top in modules:
+        for module in top.modules():
+            graph = getattr(module, "graph", None)
+            if isinstance(graph, torch.fx.Graph):
+                for node in graph.nodes:
+                    node.meta.clear()
 
 
 def _graph_module(pipe, index: int) -> nn.Module:
