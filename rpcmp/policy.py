@@ -36,8 +36,9 @@ class NonFinite:
         if not self.updated:  # the parameters it started from give it: the learning rate cannot be the cause
             raise NonFiniteLossError(
                 f"the loss is {value}{self.where} before any update in this run: the model gives a non-finite loss "
-                f"with the parameters it started from, so the learning rate is not the cause. Compare the stages with "
-                f"the unsplit model on one batch with `rpcmp plan JOB --check`, and check the data and the loss")
+                f"with the parameters it started from, so the learning rate is not the cause. Check the data and the "
+                f"loss, compare the stages with the unsplit model on one batch with `rpcmp plan JOB --check`, or set "
+                f"Job(nonfinite='skip') to skip such steps")
         raise NonFiniteLossError(
             f"the loss is {value}{self.where}: training stopped before the optimizer step, so the parameters are "
             f"still finite. Lower the learning rate, check the data, or set Job(nonfinite='skip') to skip such steps")

@@ -51,7 +51,8 @@ def test_nonfinite_loss_stops_or_skips_and_small_batch_is_refused():
     out = run_ranks("mlp", 3, _nonfinite)
     for sched in ("overlap", "gpipe"):
         result, unchanged, next_loss = out[("stop", sched)]
-        assert result.startswith("NonFiniteLossError: the loss is nan") and "nonfinite='skip'" in result
+        assert result.startswith("NonFiniteLossError: the loss is nan before any update") and "nonfinite='skip'" in result
+        assert "rpcmp plan JOB --check" in result and "Lower the learning rate" not in result
         assert unchanged and next_loss == next_loss  # parameters untouched and still trainable
         result, unchanged, next_loss = out[("skip", sched)]
         assert result == "loss nan" and unchanged and next_loss == next_loss

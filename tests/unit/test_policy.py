@@ -9,8 +9,19 @@ from rpcmp.policy import GradientPolicy, NonFinite
 def test_stop_raises_before_the_update_and_says_what_to_do():
     policy = NonFinite("stop", " (DDP mode)")
     assert policy.allows(torch.tensor(0.5))
+    policy.updated = True  # a step has changed the parameters: the learning rate may be the cause
+    with pytest.raises(NonFiniteLossError, match=r"Lower the learning rate"):
+        policy.allows(torch.tensor(float("nan")))
     with pytest.raises(NonFiniteLossError, match=r"the loss is nan \(DDP mode\): training stopped before the optimizer step"):
         policy.allows(torch.tensor(float("nan")))
+
+
+def test_a_first_step_that_is_not_finite_does_not_blame_the_learning_rate():
+    policy = NonFinite("stop")
+    with pytest.raises(NonFiniteLossError, match=r"before any update in this run.*learning rate is not the cause.*"
+                                                 r"rpcmp plan JOB --check") as info:
+        policy.allows(torch.tensor(float("nan")))
+    assert "Lower the learning rate" not in str(info.value)
 
 
 def test_skip_warns_and_counts_every_skipped_step():
