@@ -199,8 +199,11 @@ def worker(master, rank, token_file, iface):
               help="Processes the job will run on (default: stages + 1).")
 @click.option("--nproc-per-node", type=int, default=None,
               help="With --replicas: processes per node (torchrun's), to show the grid by node.")
+@click.option("--check", is_flag=True,
+              help="Also build the unsplit model and every stage here and compare them on one batch: every tensor "
+                   "by name, and the output (needs memory for the whole model, twice).")
 @job_options
-def plan(job_file, world_size, nproc_per_node, overrides):
+def plan(job_file, world_size, nproc_per_node, check, overrides):
     """Print how JOB_FILE is cut into stages and placed, and its schedule's plan, without starting any process."""
     import torch
     from .job import load_job
@@ -249,6 +252,39 @@ def plan(job_file, world_size, nproc_per_node, overrides):
     if grid:
         Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid, nodes))
     Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch"))
+    for line in _model_notes(specs):
+        console.print(line)
+    if check and not _check(job, specs, batch):
+        sys.exit(1)
+
+
+def _model_notes(specs) -> list[str]:
+    """What is shared by stages, kept without being read, and which input sizes may change."""
+    from .tied import describe
+    lines = [f"shared: {line}" for line in describe(specs)]
+    lines += [f"kept on stage {s.index} (no graph reads them): {', '.join(s.unused)}" for s in specs if s.unused]
+    if specs and specs[0].kind == "traced":
+        from .traced import describe_sizes
+        lines.append(f"inputs: {describe_sizes(specs[0].sizes, specs[0].example)}")
+    return lines
+
+
+def _check(job, specs, batch) -> bool:
+    """``rpcmp plan --check``: print the comparison; True if the stages are the unsplit model."""
+    from .check import check_stages
+    checks, diff, why = check_stages(job, specs, batch)
+    table = Table(title="the stages against the unsplit model (eval mode, one micro-batch)")
+    for col in ("stage", "tensors compared", "differences"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(f"{c.index} {c.name}", str(c.tensors), "\n".join(c.wrong[:6]) or "none")
+    console = Console(width=max(Console().width, 140))
+    console.print(table)
+    if why:
+        console.print(f"output: not compared ({why})")
+    else:
+        console.print(f"output: largest difference from the unsplit model's {diff:.3g}")
+    return not why and all(not c.wrong for c in checks) and diff <= 1e-4
 
 
 def _grid_table(job, specs, grid, nodes) -> Table:

@@ -21,12 +21,14 @@ from . import stage
 from .futures import raise_failures, wait_all
 from .microbatch import batch_size, has_tensors, map_tensors, scatter
 from .schedule import Plan, make_plan
+from .traced import check_sizes
 
 __all__ = ["run_step"]
 
 
 def run_step(pipe, schedule: str, x: Any, y: Any, chunks: int) -> torch.Tensor:
     """One optimizer step of ``pipe`` on batch ``(x, y)`` in ``chunks`` micro-batches; the loss."""
+    check_sizes(pipe.specs[0].sizes, x)  # see [Note: any sequence length]
     plan = make_plan(schedule, chunks, len(pipe.specs))  # scatter refuses a batch of fewer than ``chunks`` samples
     if plan.context == "step":
         return _step_in_one_context(pipe, x, y, plan)  # Pipeline.forward scatters

@@ -30,7 +30,7 @@ from .chain import check_chain
 from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, forget_trace, from_example,
-                     place_graph, stage_module, trace_split)
+                     input_sizes, place_graph, stage_module, trace_split)
 from .errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
@@ -85,6 +85,7 @@ class StageSpec:
     has_bn: bool = False  # "traced": the model has BatchNorm (a traced graph holds no BatchNorm modules)
     unused: tuple[str, ...] = ()  # "traced": tensors no graph reads, kept here (see [Note: parameters forward does not use])
     tied: tuple[tuple[str, str], ...] = ()  # (name here, the unsplit model's first name) of parameters other stages share
+    sizes: tuple = ()  # "traced": per input tensor, each dimension's size where the graph fixes it, else None
 
 
 def declaration_kind(stages: Any) -> str:
@@ -264,7 +265,8 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
     bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
-                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i])
+                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i],
+                      sizes=input_sizes(pipe, example))
             for i in range(pipe.num_stages)]
 
 

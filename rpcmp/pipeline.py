@@ -82,6 +82,7 @@ from .partition import StageSpec, plan_stages
 from .placement import Place, resolve_placement
 from .policy import GradientPolicy, NonFinite
 from .served import RunStatus, current
+from .traced import check_sizes
 from .state import PipelineState
 
 __all__ = ["Pipeline"]
@@ -151,6 +152,7 @@ class Pipeline(PipelineState):
 
         With ``grad=True`` this must run inside a ``dist_autograd.context()``.
         """
+        check_sizes(self.specs[0].sizes, x)  # see [Note: any sequence length]
         parts = scatter(x, chunks or self.microbatches)
         first = self.places[0].process
         seqs = self._next_seqs(len(parts))

@@ -37,11 +37,21 @@ tensors (every value on the wire is a tensor) and become ints again in the stage
 them (:class:`_Route`). A model that does fix its batch size is traced with static shapes
 and refused by :func:`check_any_batch_size` before any process starts. Export cannot make a
 dimension of size 1 dynamic, so a one-sample micro-batch is traced as two.
+
+[Note: any sequence length]
+A language model's batches differ in length (tokens, time: dimension 1) as they differ in
+size. Dimension 1 of every input is traced as ``Dim.AUTO``: dynamic wherever the model's
+``forward`` allows it (positions made with ``torch.arange(t)``, a causal mask, RoPE tables sliced
+to ``t``), and kept static, without an error, where the model fixes it (an image's channels, a
+positional table added whole). Sizes derived from it travel between stages as the batch size's
+do. The plan records which input dimensions are fixed (:func:`input_sizes`, shown by ``rpcmp
+plan``), and the master refuses an input of another size there before any stage runs it
+(:func:`check_sizes`), saying what the model fixes. ``torch.distributed.pipelining`` needs
+static shapes; an RPC pipeline does not.
 """
 from __future__ import annotations
 
 import contextlib
-import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +61,8 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "forget_trace", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
+__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "forget_trace",
+           "input_sizes", "check_sizes", "describe_sizes", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
            "example_of", "from_example"]
 
 
@@ -101,8 +112,7 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
                              else t, sample)
     try:
-        with _no_collection():
-            return _pipeline(model, split, spec, sample)
+        return _pipeline(model, split, spec, sample)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
         exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
         raise PartitionError(
@@ -110,27 +120,6 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}. Data-dependent control flow "
             f"(an `if` on a tensor's values) cannot be traced: use torch.cond, move it into one stage's module and "
             f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
-
-
-@contextlib.contextmanager
-def _no_collection():
-    """No cyclic garbage collection while ``torch.export`` traces.
-
-    [Note: no garbage collection while tracing]
-    An owner builds a stage on one RPC thread while others answer the master; Python's cyclic
-    collector runs in whichever thread allocates, with the finalizers of whatever is garbage
-    (the graphs, fake tensors and shape environments of earlier traces). Run in the middle of an
-    export, it now and then froze the whole process: a Hugging Face Llama stage, built for the
-    ninth time in one process, stopped answering pings for the 20 s of ``Job.hang_timeout``, in 2 to
-    3 of 4 launches; with the collector off while tracing, 0 of 8. The garbage is collected when the
-    trace is done, in the tracing thread."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
@@ -167,7 +156,61 @@ def _dynamic_batch(pipe_cls):
 def _dims(t: torch.Tensor, batch) -> dict:
     """Dimension 0 is the batch; dimension 1 (tokens, time) is dynamic where the model allows it
     (``Dim.AUTO``: export keeps it static where the model fixes it, see [Note: any sequence length])."""
-    return {0: batch, 1: torch.export.Dim.AUTO} if t.dim() >= 2 else {0: batch}
+    return {0: batch, 1: torch.export.Dim.AUTO} if t.dim() >= 2 and t.shape[1] > 1 else {0: batch}
+
+
+def input_sizes(pipe, example: Any) -> tuple[tuple[int | None, ...], ...]:
+    """For each tensor of the traced model's input ``example``, in order: every dimension's size
+    where the stages take no other, None where they take any (see [Note: any sequence length]).
+    Dimension 1 is tried one longer on fake tensors (no computation); the rest is as traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    leaves, spec = pytree.tree_flatten(example)
+    out = []
+    for k, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            out.append(())
+            continue
+        sizes = [None] + [int(n) for n in t.shape[1:]]
+        if t.dim() >= 2:
+            longer = [torch.cat([x, x[:, :1]], 1) if i == k else x for i, x in enumerate(leaves)]
+            try:
+                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    run_stages([stage_module(pipe, i) for i in range(pipe.num_stages)],
+                               pytree.tree_unflatten([mode.from_tensor(x) for x in longer], spec))
+                sizes[1] = None
+            except Exception:  # noqa: BLE001 - the graph, or the model, fixes the length
+                pass
+            finally:
+                for i in range(pipe.num_stages):  # undo the routing installed for the check
+                    pipe.get_stage_module(i).__dict__.pop("forward", None)
+        out.append(tuple(sizes))
+    return tuple(out)
+
+
+def check_sizes(sizes: tuple, x: Any) -> None:
+    """Refuse, before any stage runs it, an input whose dimension 1 or later differs from a size
+    the traced graph fixes."""
+    if not sizes:
+        return
+    from .errors import MicroBatchError
+    for k, (fixed, t) in enumerate(zip(sizes, pytree.tree_leaves(x))):
+        shape = tuple(getattr(t, "shape", ()))
+        for d, size in enumerate(fixed):
+            if d and size is not None and d < len(shape) and shape[d] != size:
+                raise MicroBatchError(
+                    f"input {k} has size {shape[d]} in dimension {d}, but the model, traced on the job's first batch, "
+                    f"fixes that dimension at {size} (its forward needs that size, e.g. it adds a positional table "
+                    f"of {size} entries): give it batches of {size}, pad them to {size}, or make forward take any "
+                    f"size (slice the table to the input's length)")
+
+
+def describe_sizes(sizes: tuple, example: tuple) -> str:
+    """The model's inputs for ``rpcmp plan``: which dimensions may change from batch to batch."""
+    parts = []
+    for fixed, (shape, dtype) in zip(sizes, example[0]):
+        dims = ["batch" if d == 0 else ("any" if size is None else f"{size} (fixed)") for d, size in enumerate(fixed)]
+        parts.append(f"({', '.join(dims)}) {dtype}")
+    return "; ".join(parts) + " (any: a batch may have another size there than the traced sample)"
 
 
 class _Route:
@@ -374,9 +417,8 @@ def graph_devices(module: nn.Module) -> dict[str, str]:
 
 def forget_trace(modules) -> None:
     """Drop what tracing left on the graphs' nodes (fake tensors, symbolic sizes, their shape
-    environment): a built stage runs without it, and freed later, from whichever thread drops the
-    stage, it raced with the next build's tracing on another RPC thread of the same owner (an owner
-    stopped answering, now and then, while it built its ninth stage in one process)."""
+    environment): a built stage runs without it, and an owner that builds many stages in one
+    process (a test, a notebook) keeps none of it alive."""
     for top in modules:
         for module in top.modules():
             graph = getattr(module, "graph", None)

@@ -1,0 +1,185 @@
+"""In-process checks of language models cut on their traced graph: every tensor of every stage
+(parameters, buffers, non-persistent buffers, constants) by name against the unsplit model, the
+graphs placed on the owner's device, shared and unused parameters, and which input sizes may
+change. No processes: the stages are built here as their owners build them."""
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import rpcmp
+from rpcmp.materialize import graph_constants, tensor_table
+from rpcmp.partition import build_stage, plan_stages
+from rpcmp.tied import describe, norm_skips, shared_groups
+from rpcmp.traced import check_sizes, graph_devices, run_stages
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "jobs"))
+from helpers import job_path, load  # noqa: E402
+
+MODELS = ("nanogpt", "hf_gpt2", "hf_llama")
+
+
+def _plan(job, length=16):
+    train, _ = job.data()
+    return plan_stages(job, train[:job.batch_size][0][:, :length])
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_tensor_of_every_stage_has_the_unsplit_models_value(name):
+    job = load(name)
+    specs = _plan(job)
+    torch.manual_seed(job.seed)
+    whole = job.model()
+    reference = tensor_table(whole)
+    seen, keys = set(), set()
+    for spec in specs:
+        stage = build_stage(job, spec)
+        keys |= set(stage.state_dict())
+        for module in (stage, stage.forward.eval_forward.__self__):  # the train and the eval graph
+            for key, t in tensor_table(module).items():
+                assert not t.is_meta, f"{name} stage {spec.index}: {key} is on the meta device"
+                torch.testing.assert_close(t, reference[key], rtol=0, atol=0, msg=f"{name} stage {spec.index}: {key}")
+                seen.add(key)
+            for key in graph_constants(module):
+                value = module.get_submodule(key.rpartition(".")[0]) if "." in key else module
+                value = getattr(value, key.rpartition(".")[2])
+                assert not value.is_meta, f"{name} stage {spec.index}: constant {key} is on the meta device"
+            assert all(d == "cpu" for d in graph_devices(module).values()), graph_devices(module)
+    assert seen == set(reference)  # every tensor of the model is on some stage, under its own names
+    assert keys == set(whole.state_dict())  # non-persistent buffers (RoPE's inv_freq) stay out, as in the plain model
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_stages_take_any_sequence_length_and_predict_as_the_unsplit_model(name):
+    job = load(name)
+    specs = _plan(job)
+    assert all(size is None for size in specs[0].sizes[0][1:])  # dimension 1 traced as dynamic
+    stages = [build_stage(job, s).eval() for s in specs]
+    torch.manual_seed(job.seed)
+    whole = job.model().eval()
+    g = torch.Generator().manual_seed(3)
+    for length in (16, 24, 9, 1):
+        x = torch.randint(0, 64, (3, length), generator=g)
+        with torch.no_grad():
+            torch.testing.assert_close(run_stages(stages, x), whole(x), msg=f"{name} at length {length}")
+
+
+def test_tied_weights_across_stages_are_one_group_counted_once_by_the_norm():
+    specs = _plan(load("hf_gpt2"))
+    assert shared_groups(specs) == {"m.transformer.wte.weight": [(0, "m.transformer.wte.weight"),
+                                                                 (2, "m.lm_head.weight")]}
+    assert norm_skips(specs) == {2: {"m.lm_head.weight"}}
+    assert describe(specs) == ["m.transformer.wte.weight is shared by stage 0 (as m.transformer.wte.weight), "
+                               "stage 2 (as m.lm_head.weight)"]
+    assert shared_groups(_plan(load("hf_llama"))) == {}  # untied
+
+
+class _TiedByName(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.body, self.head = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 20, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx):
+        return self.head(self.body(self.embed(idx)))
+
+
+def test_tied_weights_are_found_when_stages_are_named_or_sliced():
+    job = rpcmp.Job(model=_TiedByName, stages=["embed", "body", "head"])
+    specs = plan_stages(job, torch.zeros(2, 5, dtype=torch.long))
+    assert shared_groups(specs) == {"embed.weight": [(0, "weight"), (2, "weight")]}
+    seq = rpcmp.Job(model=lambda: _sequential_tied(), stages=rpcmp.Split([1, 2]))
+    assert shared_groups(plan_stages(seq)) == {"0.weight": [(0, "0.weight"), (1, "2.weight")]}
+
+
+def _sequential_tied():
+    layers = nn.Sequential(nn.Linear(6, 6, bias=False), nn.ReLU(), nn.Linear(6, 6, bias=False))
+    layers[2].weight = layers[0].weight
+    return layers
+
+
+class _WithSpare(nn.Module):
+    """A positional table and a pooler its forward never reads (in this configuration)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.spare_pos = nn.Embedding(20, 8), nn.Parameter(torch.randn(4, 8))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.pooler = nn.Linear(8, 8)
+        self.blocks[2].unused = nn.Parameter(torch.ones(3))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+def test_parameters_forward_does_not_use_are_kept_with_their_nearest_stage():
+    job = rpcmp.Job(model=_WithSpare, stages=rpcmp.SplitAt("blocks.1", "blocks.2"))
+    specs = plan_stages(job, torch.zeros(2, 5, dtype=torch.long))
+    assert [s.unused for s in specs] == [("spare_pos", "pooler.weight", "pooler.bias"), (), ("blocks.2.unused",)]
+    torch.manual_seed(job.seed)
+    reference = job.model().state_dict()
+    state = {}
+    for spec in specs:
+        state.update(build_stage(job, spec).state_dict())
+    assert sorted(state) == sorted(reference)
+    torch.testing.assert_close(state, reference, rtol=0, atol=0)
+
+
+class _FixedLength(nn.Module):
+    """Adds its whole positional table: it takes sequences of 16 tokens only."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(20, 8), nn.Parameter(torch.randn(16, 8))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, idx):
+        x = self.embed(idx) + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_model_that_fixes_the_length_is_said_at_plan_time_and_refused_before_any_stage_runs():
+    job = rpcmp.Job(model=_FixedLength, stages=rpcmp.SplitAt("blocks.1"))
+    specs = plan_stages(job, torch.zeros(4, 16, dtype=torch.long))
+    assert specs[0].sizes == ((None, 16),)
+    check_sizes(specs[0].sizes, torch.zeros(3, 16, dtype=torch.long))  # another batch size: fine
+    with pytest.raises(rpcmp.MicroBatchError, match=r"input 0 has size 9 in dimension 1, but the model.*fixes that "
+                                                    r"dimension at 16.*pad them to 16"):
+        check_sizes(specs[0].sizes, torch.zeros(3, 9, dtype=torch.long))
+
+
+def test_plan_check_compares_every_stage_with_the_unsplit_model():
+    rpcmp_bin = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+    out = subprocess.run([rpcmp_bin, "plan", job_path("nanogpt"), "--check"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = " ".join(out.stdout.split())  # rich wraps long lines
+    assert "wte.weight is shared by stage 0 (as wte.weight), stage 2 (as head.weight)" in text
+    assert "largest difference from the unsplit model's 0" in text and "inputs: (batch, any) int64" in text
+
+
+def test_plan_check_names_a_stage_that_differs_from_the_unsplit_model(monkeypatch):
+    from rpcmp import check
+    job = load("nanogpt")
+    specs = _plan(job)
+    real = check.build_stage
+
+    def broken(job, spec, **kwargs):  # a build that gives one weight another value
+        stage = real(job, spec, **kwargs)
+        if spec.index == 1:
+            with torch.no_grad():
+                stage.get_parameter("blocks.2.mlp.0.weight").fill_(0.5)
+        return stage
+    monkeypatch.setattr(check, "build_stage", broken)
+    checks, diff, why = check.check_stages(job, specs, job.data()[0][:8][0])
+    assert [c.wrong for c in checks][0] == [] and checks[2].wrong == []
+    assert checks[1].wrong == ["blocks.2.mlp.0.weight: differs from the unsplit model"]
+    assert why is None and diff > 1e-3  # and so does the output
