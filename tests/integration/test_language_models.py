@@ -107,3 +107,29 @@ def test_sequence_length_changes_from_step_to_step(model_runs):
     ref_losses, ref_state, _, _ = _reference(job, OPTIMIZERS["adamw"], _ragged())
     assert_close_f32(losses, ref_losses, msg=lambda e: f"{name}: {e}")
     assert_close_f32(state, ref_state, msg=lambda e: f"{name}: {e}")
+
+
+def _fit(job, world_size):
+    from rpcmp.trainer import fit
+    return fit(job, world_size)["steps"]
+
+
+@pytest.mark.timeout(400)
+def test_a_tied_model_exports_to_the_plain_model_with_its_pair_still_one_tensor(tmp_path):
+    from click.testing import CliRunner
+    from rpcmp.checkpoint import load_checkpoint
+    from rpcmp.cli import main
+    folder = str(tmp_path / "ckpt")
+    assert run_ranks("nanogpt", 4, _fit, {"checkpoint_dir": folder, "max_steps": 3, "threads": 1}, timeout=300) == 3
+    out = str(tmp_path / "gpt.pt")
+    result = CliRunner().invoke(main, ["export", folder, out])
+    assert result.exit_code == 0, result.output
+    plain = load("nanogpt").model()
+    state = torch.load(out, weights_only=True)
+    assert sorted(state) == sorted(plain.state_dict())
+    plain.load_state_dict(state, strict=True)
+    assert plain.head.weight is plain.wte.weight  # still one parameter in the plain model
+    torch.testing.assert_close(state["head.weight"], state["wte.weight"], rtol=0, atol=0)  # the copies agreed
+    torch.testing.assert_close(plain.state_dict(), load_checkpoint(folder)["model"], rtol=0, atol=0)
+    torch.manual_seed(0)
+    assert not torch.equal(plain.wte.weight, load("nanogpt").model().wte.weight)  # it did train
