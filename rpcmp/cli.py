@@ -264,7 +264,7 @@ def _model_notes(specs) -> list[str]:
     lines = [f"shared: {line}" for line in describe(specs)]
     lines += [f"kept on stage {s.index} (no graph reads them): {', '.join(s.unused)}" for s in specs if s.unused]
     if specs and specs[0].kind == "traced":
-        from .traced import describe_sizes
+        from .lengths import describe_sizes
         lines.append(f"inputs: {describe_sizes(specs[0].sizes, specs[0].example)}")
     return lines
 

@@ -21,7 +21,7 @@ from . import stage
 from .futures import raise_failures, wait_all
 from .microbatch import batch_size, has_tensors, map_tensors, scatter
 from .schedule import Plan, make_plan
-from .traced import check_sizes
+from .lengths import check_sizes
 
 __all__ = ["run_step"]
 

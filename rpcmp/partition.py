@@ -30,7 +30,8 @@ from .chain import check_chain
 from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, forget_trace, from_example,
-                     input_sizes, place_graph, stage_module, trace_split)
+                     place_graph, stage_module, trace_split)
+from .lengths import input_sizes
 from .errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]

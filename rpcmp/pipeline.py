@@ -82,7 +82,7 @@ from .partition import StageSpec, plan_stages
 from .placement import Place, resolve_placement
 from .policy import GradientPolicy, NonFinite
 from .served import RunStatus, current
-from .traced import check_sizes
+from .lengths import check_sizes
 from .state import PipelineState
 
 __all__ = ["Pipeline"]
@@ -269,10 +269,8 @@ class Pipeline(PipelineState):
         False: skip this step (an fp16 overflow)."""
         if not self.gradients.needs_norm:
             return True
-        skips = tied.norm_skips(self.specs)  # a shared parameter counts once
-        skip = {o: tuple(s.prefix + n for s in self.specs if self._owners[s.index] == o for n in skips.get(s.index, ()))
-                for o in self._param_owners}
-        sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id, skip[o])) for o in self._param_owners])
+        skip = tied.norm_skips(self.specs, self._owners)  # a shared parameter counts once
+        sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id, skip.get(o, ()))) for o in self._param_owners])
         coef = self.gradients.coefficient(math.sqrt(sum(sq)))
         if coef is None:
             return False

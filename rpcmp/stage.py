@@ -61,8 +61,8 @@ from .served import current
 # The RPC endpoints the master calls (rpcmp.pipeline, rpcmp.executor, rpcmp.inbox); each finds
 # the stage it acts on in this process's rpcmp.served.Served.
 __all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "begin_reduce", "reduce_merged",
-           "average_grads", "settle_reduce", "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads", "set_fields", "get_fields", "set_training",
-           "set_trace", "stats", "release", "named_params"]
+           "average_grads", "settle_reduce", "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads",
+           "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
 
 
 @dataclass

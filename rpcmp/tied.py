@@ -21,7 +21,6 @@ hold the unsplit model's keys, each holder's copy under its own name, all equal.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed.rpc as rpc
 
 from . import stage
@@ -64,13 +63,15 @@ def sum_shared(pipe, ctx_id: int) -> None:
     wait_all(writes)
 
 
-def norm_skips(specs) -> dict[int, set[str]]:
-    """Stage -> names of its shared parameters that the global gradient norm must not count again."""
-    skips: dict[int, set[str]] = {}
+def norm_skips(specs, owners: list[str] | None = None) -> dict:
+    """Names of shared parameters the global gradient norm must not count again (every holder
+    after the first): per stage, or per owner process (qualified as its ``named_params``) if given."""
+    skips: dict = {}
     for members in shared_groups(specs).values():
         for i, local in members[1:]:
-            skips.setdefault(i, set()).add(local)
-    return skips
+            key, name = (i, local) if owners is None else (owners[i], specs[i].prefix + local)
+            skips.setdefault(key, set()).add(name)
+    return skips if owners is None else {o: tuple(sorted(names)) for o, names in skips.items()}
 
 
 def describe(specs) -> list[str]:

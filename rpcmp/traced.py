@@ -38,16 +38,8 @@ them (:class:`_Route`). A model that does fix its batch size is traced with stat
 and refused by :func:`check_any_batch_size` before any process starts. Export cannot make a
 dimension of size 1 dynamic, so a one-sample micro-batch is traced as two.
 
-[Note: any sequence length]
-A language model's batches differ in length (tokens, time: dimension 1) as they differ in
-size. Dimension 1 of every input is traced as ``Dim.AUTO``: dynamic wherever the model's
-``forward`` allows it (positions made with ``torch.arange(t)``, a causal mask, RoPE tables sliced
-to ``t``), and kept static, without an error, where the model fixes it (an image's channels, a
-positional table added whole). Sizes derived from it travel between stages as the batch size's
-do. The plan records which input dimensions are fixed (:func:`input_sizes`, shown by ``rpcmp
-plan``), and the master refuses an input of another size there before any stage runs it
-(:func:`check_sizes`), saying what the model fixes. ``torch.distributed.pipelining`` needs
-static shapes; an RPC pipeline does not.
+Dimension 1 (tokens, time) is traced as dynamic too: see [Note: any sequence length] in
+:mod:`rpcmp.lengths`.
 """
 from __future__ import annotations
 
@@ -61,9 +53,8 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "forget_trace",
-           "input_sizes", "check_sizes", "describe_sizes", "attach_eval", "check_same_cut", "run_stages", "check_any_batch_size",
-           "example_of", "from_example"]
+__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "forget_trace", "attach_eval",
+           "check_same_cut", "run_stages", "check_any_batch_size", "example_of", "from_example"]
 
 
 @dataclass(frozen=True)
@@ -157,60 +148,6 @@ def _dims(t: torch.Tensor, batch) -> dict:
     """Dimension 0 is the batch; dimension 1 (tokens, time) is dynamic where the model allows it
     (``Dim.AUTO``: export keeps it static where the model fixes it, see [Note: any sequence length])."""
     return {0: batch, 1: torch.export.Dim.AUTO} if t.dim() >= 2 and t.shape[1] > 1 else {0: batch}
-
-
-def input_sizes(pipe, example: Any) -> tuple[tuple[int | None, ...], ...]:
-    """For each tensor of the traced model's input ``example``, in order: every dimension's size
-    where the stages take no other, None where they take any (see [Note: any sequence length]).
-    Dimension 1 is tried one longer on fake tensors (no computation); the rest is as traced."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    leaves, spec = pytree.tree_flatten(example)
-    out = []
-    for k, t in enumerate(leaves):
-        if not isinstance(t, torch.Tensor):
-            out.append(())
-            continue
-        sizes = [None] + [int(n) for n in t.shape[1:]]
-        if t.dim() >= 2:
-            longer = [torch.cat([x, x[:, :1]], 1) if i == k else x for i, x in enumerate(leaves)]
-            try:
-                with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-                    run_stages([stage_module(pipe, i) for i in range(pipe.num_stages)],
-                               pytree.tree_unflatten([mode.from_tensor(x) for x in longer], spec))
-                sizes[1] = None
-            except Exception:  # noqa: BLE001 - the graph, or the model, fixes the length
-                pass
-            finally:
-                for i in range(pipe.num_stages):  # undo the routing installed for the check
-                    pipe.get_stage_module(i).__dict__.pop("forward", None)
-        out.append(tuple(sizes))
-    return tuple(out)
-
-
-def check_sizes(sizes: tuple, x: Any) -> None:
-    """Refuse, before any stage runs it, an input whose dimension 1 or later differs from a size
-    the traced graph fixes."""
-    if not sizes:
-        return
-    from .errors import MicroBatchError
-    for k, (fixed, t) in enumerate(zip(sizes, pytree.tree_leaves(x))):
-        shape = tuple(getattr(t, "shape", ()))
-        for d, size in enumerate(fixed):
-            if d and size is not None and d < len(shape) and shape[d] != size:
-                raise MicroBatchError(
-                    f"input {k} has size {shape[d]} in dimension {d}, but the model, traced on the job's first batch, "
-                    f"fixes that dimension at {size} (its forward needs that size, e.g. it adds a positional table "
-                    f"of {size} entries): give it batches of {size}, pad them to {size}, or make forward take any "
-                    f"size (slice the table to the input's length)")
-
-
-def describe_sizes(sizes: tuple, example: tuple) -> str:
-    """The model's inputs for ``rpcmp plan``: which dimensions may change from batch to batch."""
-    parts = []
-    for fixed, (shape, dtype) in zip(sizes, example[0]):
-        dims = ["batch" if d == 0 else ("any" if size is None else f"{size} (fixed)") for d, size in enumerate(fixed)]
-        parts.append(f"({', '.join(dims)}) {dtype}")
-    return "; ".join(parts) + " (any: a batch may have another size there than the traced sample)"
 
 
 class _Route:

@@ -2,7 +2,6 @@
 (parameters, buffers, non-persistent buffers, constants) by name against the unsplit model, the
 graphs placed on the owner's device, shared and unused parameters, and which input sizes may
 change. No processes: the stages are built here as their owners build them."""
-import dataclasses
 import os
 import subprocess
 import sys
@@ -15,7 +14,8 @@ import rpcmp
 from rpcmp.materialize import graph_constants, tensor_table
 from rpcmp.partition import build_stage, plan_stages
 from rpcmp.tied import describe, norm_skips, shared_groups
-from rpcmp.traced import check_sizes, graph_devices, run_stages
+from rpcmp.lengths import check_sizes
+from rpcmp.traced import graph_devices, run_stages
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "jobs"))
 from helpers import job_path, load  # noqa: E402
