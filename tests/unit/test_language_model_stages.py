@@ -28,16 +28,21 @@ def _plan(job, length=16):
     return plan_stages(job, train[:job.batch_size][0][:, :length])
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_every_tensor_of_every_stage_has_the_unsplit_models_value(name):
-    job = load(name)
+@pytest.fixture(scope="module", params=MODELS)
+def built(request):
+    """Each model's plan, its stages built as their owners build them, and the unsplit model."""
+    job = load(request.param)
     specs = _plan(job)
+    stages = [build_stage(job, spec) for spec in specs]
     torch.manual_seed(job.seed)
-    whole = job.model()
+    return request.param, job, specs, stages, job.model()
+
+
+def test_every_tensor_of_every_stage_has_the_unsplit_models_value(built):
+    name, job, specs, stages, whole = built
     reference = tensor_table(whole)
     seen, keys = set(), set()
-    for spec in specs:
-        stage = build_stage(job, spec)
+    for spec, stage in zip(specs, stages):
         keys |= set(stage.state_dict())
         for module in (stage, stage.forward.eval_forward.__self__):  # the train and the eval graph
             for key, t in tensor_table(module).items():
@@ -53,14 +58,11 @@ def test_every_tensor_of_every_stage_has_the_unsplit_models_value(name):
     assert keys == set(whole.state_dict())  # non-persistent buffers (RoPE's inv_freq) stay out, as in the plain model
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_the_stages_take_any_sequence_length_and_predict_as_the_unsplit_model(name):
-    job = load(name)
-    specs = _plan(job)
+def test_the_stages_take_any_sequence_length_and_predict_as_the_unsplit_model(built):
+    name, job, specs, stages, whole = built
     assert all(size is None for size in specs[0].sizes[0][1:])  # dimension 1 traced as dynamic
-    stages = [build_stage(job, s).eval() for s in specs]
-    torch.manual_seed(job.seed)
-    whole = job.model().eval()
+    stages = [s.eval() for s in stages]
+    whole.eval()
     g = torch.Generator().manual_seed(3)
     for length in (16, 24, 9, 1):
         x = torch.randint(0, 64, (3, length), generator=g)
