@@ -152,7 +152,7 @@ def check_materialized(modules: dict[str, nn.Module], where: str) -> None:
     constant left on the meta device, a graph that creates tensors on the meta device, or a
     parameter holding NaN (memory that was never written). See [Note: every tensor a stage reads]."""
     from .traced import graph_devices
-    wrong = []
+    on_meta, nan, nodes = [], [], []
     for kind, module in modules.items():
         seen = set()
         for name, t in [*tensor_table(module).items(), *((n, _attr(module, n)) for n in graph_constants(module))]:
@@ -160,15 +160,20 @@ def check_materialized(modules: dict[str, nn.Module], where: str) -> None:
                 continue
             seen.add(id(t))
             if t.is_meta:
-                wrong.append(f"{name} is on the meta device")
+                on_meta.append(name)
             elif isinstance(t, nn.Parameter) and t.is_floating_point() and torch.isnan(t).any():
-                wrong.append(f"{name} holds NaN")
-        wrong += [f"graph node {n} ({kind} graph) creates tensors on {d}" for n, d in graph_devices(module).items()
-                  if d.startswith("meta")]
+                nan.append(name)
+        nodes += [f"{n} ({kind} graph)" for n, d in graph_devices(module).items() if d.startswith("meta")]
+    wrong = [f"{what}: {_some(names)}" for what, names in (("graph nodes that create tensors on the meta device", nodes),
+                                                            ("on the meta device", on_meta), ("holding NaN", nan)) if names]
     if wrong:
-        raise PartitionError(f"{where} has tensors without their unsplit values: {'; '.join(sorted(set(wrong))[:8])}"
-                             f"{' ...' if len(set(wrong)) > 8 else ''}. Run `rpcmp plan JOB --check` to compare the stages "
-                             f"with the unsplit model")
+        raise PartitionError(f"{where} has tensors without their unsplit values: {'; '.join(wrong)}. Run "
+                             f"`rpcmp plan JOB --check` to compare the stages with the unsplit model")
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    names = sorted(set(names))
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 class _Hooks:

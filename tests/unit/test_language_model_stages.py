@@ -185,3 +185,16 @@ def test_plan_check_names_a_stage_that_differs_from_the_unsplit_model(monkeypatc
     assert [c.wrong for c in checks][0] == [] and checks[2].wrong == []
     assert checks[1].wrong == ["blocks.2.mlp.0.weight: differs from the unsplit model"]
     assert why is None and diff > 1e-3  # and so does the output
+
+
+def test_the_check_after_a_build_names_what_has_no_value():
+    """A stage as the meta trace leaves it (what every owner ran before: its positions made on the meta
+    device gave a nanoGPT decoder NaN) is refused by name."""
+    from rpcmp.errors import PartitionError
+    from rpcmp.materialize import check_materialized
+    job = load("nanogpt")
+    stage = build_stage(job, _plan(job)[0], meta=True)
+    with pytest.raises(PartitionError, match=r"stage 0 \(x\) has tensors without their unsplit values: graph nodes "
+                                             r"that create tensors on the meta device: arange_start \(train graph\); "
+                                             r"on the meta device: .* and \d+ more"):
+        check_materialized({"train": stage}, "stage 0 (x)")

@@ -178,3 +178,37 @@ def test_a_stage_merges_its_micro_batches_in_order_and_averages_once(job):
         release.set()
         for t in threads:
             t.join(30)
+
+
+def _tied_layers():
+    layers = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Tanh(),
+                                 torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 8))
+    layers[2].weight = layers[0].weight  # one parameter, read by both stages
+    return layers
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_parameter_shared_by_two_stages_trains_as_one(job, clip):
+    tied = dataclasses.replace(job, model=_tied_layers, stages=rpcmp.Split([2, 2]), clip_grad_norm=clip,
+                               optimizer=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}))
+    serve(tied)  # the owner (here, the master itself) builds from the job it serves
+    data = batches(3)
+    torch.manual_seed(tied.seed)
+    model = _tied_layers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = tied.loss(model(x), y)
+        loss.backward()
+        if clip:  # the norm counts the shared parameter once, as parameters() lists it once
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        ref_losses.append(loss.item())
+    pipe = rpcmp.Pipeline(tied, world_size=1, microbatches=2)
+    losses = [pipe.train_step(x, y).item() for x, y in data]
+    state = pipe.state_dict()
+    pipe.close()
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(state, model.state_dict())
+    torch.testing.assert_close(state["0.weight"], state["2.weight"], rtol=0, atol=0)  # the copies never part
