@@ -256,7 +256,8 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
     strange = sorted(set().union(*held) - set(every))
     if strange:  # the promise of SplitAt: the unsplit model's names
         raise PartitionError(f"SplitAt: the traced stages hold tensors {type(model).__name__} has no name for "
-                             f"({strange[:5]}{'...' if len(strange) > 5 else ''}); declare the stages another way")
+                             f"({strange[:5]}{'...' if len(strange) > 5 else ''}): tensors its forward creates and "
+                             f"keeps between calls, which a stage cannot hand on. {_cache_hint(model)}")
     unused = _place_unused(model, held)
     tied = _shared(model, [h | set(u) for h, u in zip(held, unused)])
     check_any_batch_size(pipe, example)
@@ -269,6 +270,16 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
                       example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i],
                       sizes=input_sizes(pipe, example))
             for i in range(pipe.num_stages)]
+
+
+def _cache_hint(model: nn.Module) -> str:
+    """The setting to change when a Hugging Face model's key-value cache is what the trace kept."""
+    cached = [n for n, m in model.named_modules() if getattr(getattr(m, "config", None), "use_cache", False)]
+    if cached:
+        where = f"self.{cached[0]}" if cached[0] else "the model"
+        return (f"{where} has config.use_cache=True: its key-value cache is such a tensor. Build it with "
+                f"use_cache=False in its config (or call it with use_cache=False); a pipeline trains without a cache")
+    return "Keep such state out of forward, or declare the stages another way"
 
 
 def _place_unused(model: nn.Module, held: list[set[str]]) -> list[list[str]]:

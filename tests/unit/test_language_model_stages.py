@@ -198,3 +198,21 @@ def test_the_check_after_a_build_names_what_has_no_value():
                                              r"that create tensors on the meta device: arange_start \(train graph\); "
                                              r"on the meta device: .* and \d+ more"):
         check_materialized({"train": stage}, "stage 0 (x)")
+
+
+class _CachedGPT2(nn.Module):
+    """GPT-2 as its config comes: use_cache=True."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        self.m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4))
+
+    def forward(self, idx):
+        return self.m(idx).logits
+
+
+def test_a_hugging_face_cache_is_refused_with_the_setting_to_change():
+    job = rpcmp.Job(model=_CachedGPT2, stages=rpcmp.SplitAt("m.transformer.h.1"))
+    with pytest.raises(rpcmp.PartitionError, match=r"lifted_tensor.*self.m has config.use_cache=True.*use_cache=False"):
+        plan_stages(job, torch.zeros(4, 16, dtype=torch.long))
