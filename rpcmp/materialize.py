@@ -27,6 +27,21 @@ segmentation_models_pytorch. Not exact, and documented as such: an initializatio
 kept tensor that reads the values of a tensor of another stage (it reads scratch). When
 step 1 fails on the meta device (construction code that reads a tensor's value, e.g.
 ``torch.linspace(...).item()``), step 1 runs for real with every tensor on scratch.
+
+[Note: every tensor a stage reads]
+``state_dict()`` is not all of a module's state, and a traced stage reads more than its
+parameters: non-persistent buffers (RoPE's ``inv_freq``, causal masks), constants the trace
+lifted (a plain tensor attribute), parameters shared with another stage (a tied head), and
+tensors its graph creates on a device the trace recorded. An owner gives each of them the
+unsplit model's value, by name: parameters and buffers, persistent or not, from
+:func:`build_part` (the construction makes non-persistent buffers as it makes the rest, and
+:func:`keep_persistence` keeps them out of ``state_dict`` as the plain model does); constants
+from the same construction, by their attribute path; the device in the graph from the owner
+(see [Note: a traced graph names the device it was traced on] in :mod:`rpcmp.traced`). Then
+:func:`check_materialized` walks the stage's tensors and graphs and refuses, by name, anything
+on the meta device, a graph that would still create tensors there, and a parameter holding NaN
+(memory nothing wrote), so a stage never runs on memory without a value. ``rpcmp plan --check``
+compares every value with the unsplit model's (:mod:`rpcmp.check`).
 """
 from __future__ import annotations
 
