@@ -67,10 +67,7 @@ import torch.distributed.rpc as rpc
 from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
-from . import health
-from . import inbox
-from . import stage
-from . import tied
+from . import health, inbox, stage, tied
 from .errors import JobError, StageError
 from .data import needs_sample, sample_batch
 from .executor import run_step
@@ -86,7 +83,6 @@ from .lengths import check_sizes
 from .state import PipelineState
 
 __all__ = ["Pipeline"]
-
 
 
 class Pipeline(PipelineState):
@@ -212,13 +208,15 @@ class Pipeline(PipelineState):
         try:
             dist_autograd.backward(ctx, [self._scaled(loss)])
         except RuntimeError as exc:
-            found = re.match(r"Error on Node (\d+): (.*)", str(exc), re.S)
-            if found is None:
+            node, text = None, str(exc)  # passed on by later stages, it arrives nested: the innermost node failed
+            while (found := re.match(r"Error on Node (\d+): (.*)", text, re.S)) is not None:
+                node, text = found.group(1), found.group(2)
+            if node is None:
                 raise
             names = {rpc.get_worker_info(o).id: o for o in set(self._owners)}
-            owner = names.get(int(found.group(1)), f"rank {found.group(1)}")
+            owner = names.get(int(node), f"rank {node}")
             held = ", ".join(f"stage {s.index} ({s.name})" for s in self._held().get(owner, []))
-            raise StageError(f"the backward pass failed on {owner} ({held or 'no stage'}): {found.group(2)}") from None
+            raise StageError(f"the backward pass failed on {owner} ({held or 'no stage'}): {text}") from None
 
     @property
     def batch_chunks(self) -> int:
