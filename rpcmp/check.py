@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import PartitionError
-from .materialize import build_whole, check_materialized, graph_constants, tensor_table
+from .materialize import attribute, build_whole, check_materialized, graph_constants, tensor_table
 from .partition import build_stage
 
 __all__ = ["StageCheck", "check_stages"]
@@ -56,8 +56,8 @@ def check_stages(job, specs, batch: Any) -> tuple[list[StageCheck], float | None
                 check.wrong.append(f"{spec.prefix + name}: differs from the unsplit model")
         for name in graph_constants(module):
             check.tensors += 1
-            ref = _attr(whole, name)
-            if isinstance(ref, torch.Tensor) and not torch.equal(ref, _attr(module, name)):
+            ref = attribute(whole, name)
+            if isinstance(ref, torch.Tensor) and not torch.equal(ref, attribute(module, name)):
                 check.wrong.append(f"{name} (a constant of the traced graph): differs from the unsplit model")
         stages.append(module)
         checks.append(check)
@@ -83,8 +83,3 @@ def _run(stages, specs, x):
         x = stage(x)
     return x
 
-
-def _attr(obj, name: str):
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-    return obj

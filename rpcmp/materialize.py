@@ -55,7 +55,7 @@ from torch import nn
 from .errors import PartitionError
 
 __all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "tensor_table", "set_tensor", "attach_tensor",
-           "graph_constants", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
+           "graph_constants", "attribute", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
 
 _LOCAL = threading.local()  # the registration hooks act only in the thread that builds
 
@@ -121,20 +121,19 @@ def attach_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
 def graph_constants(module: nn.Module) -> list[str]:
     """Qualified names of the tensors ``module``'s graphs read that are neither parameters nor
     buffers: constants the trace lifted (a plain tensor attribute, a tensor ``forward`` made)."""
+    from .traced import graphs
     held = set(tensor_table(module))
     found = []
-    for prefix, m in module.named_modules():
-        graph = getattr(m, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
+    for prefix, _, graph in graphs(module):
         for node in graph.nodes:
             name = f"{prefix}.{node.target}" if prefix else str(node.target)
-            if node.op == "get_attr" and name not in held and isinstance(_attr(module, name), torch.Tensor):
+            if node.op == "get_attr" and name not in held and isinstance(attribute(module, name), torch.Tensor):
                 found.append(name)
     return found
 
 
-def _attr(obj, name: str):
+def attribute(obj, name: str):
+    """``obj``'s attribute at the dotted path ``name``, None where the path ends."""
     for part in name.split("."):
         obj = getattr(obj, part, None)
     return obj
@@ -142,7 +141,7 @@ def _attr(obj, name: str):
 
 def read_constant(model: nn.Module, name: str) -> torch.Tensor | None:
     """The value of constant ``name`` in the built model, if it is a real tensor there."""
-    value = _attr(model, name)
+    value = attribute(model, name)
     return value if isinstance(value, torch.Tensor) and not value.is_meta else None
 
 
@@ -170,7 +169,7 @@ def check_materialized(modules: dict[str, nn.Module], where: str) -> None:
     on_meta, nan, nodes = [], [], []
     for kind, module in modules.items():
         seen = set()
-        for name, t in [*tensor_table(module).items(), *((n, _attr(module, n)) for n in graph_constants(module))]:
+        for name, t in [*tensor_table(module).items(), *((n, attribute(module, n)) for n in graph_constants(module))]:
             if id(t) in seen:
                 continue
             seen.add(id(t))

@@ -53,7 +53,7 @@ from torch import nn
 
 from .errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "forget_trace", "attach_eval",
+__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "graphs", "forget_trace", "attach_eval",
            "check_same_cut", "run_stages", "check_any_batch_size", "example_of", "from_example"]
 
 
@@ -326,10 +326,7 @@ def place_graph(pipe, index: int, device: torch.device) -> None:
             hits.append(a)
             return device
         return a
-    for module in pipe.get_stage_module(index).modules():
-        graph = getattr(module, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
+    for _, module, graph in graphs(pipe.get_stage_module(index)):
         hits.clear()
         for node in graph.nodes:
             before = len(hits)
@@ -343,25 +340,28 @@ def place_graph(pipe, index: int, device: torch.device) -> None:
 def graph_devices(module: nn.Module) -> dict[str, str]:
     """Nodes of ``module``'s graphs (and its submodules') whose arguments name a device: name -> device."""
     found = {}
-    for prefix, m in module.named_modules():
-        graph = getattr(m, "graph", None)
-        if isinstance(graph, torch.fx.Graph):
-            for node in graph.nodes:
-                torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a, n=node, p=prefix: found.__setitem__(
-                    f"{p + '.' if p else ''}{n.name}", str(a)) if isinstance(a, torch.device) else None)
+    for prefix, _, graph in graphs(module):
+        for node in graph.nodes:
+            torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a, n=node, p=prefix: found.__setitem__(
+                f"{p + '.' if p else ''}{n.name}", str(a)) if isinstance(a, torch.device) else None)
     return found
 
 
+def graphs(module: nn.Module):
+    """(qualified name, submodule, fx graph) of ``module`` and each submodule that runs a graph."""
+    for prefix, m in module.named_modules():
+        graph = getattr(m, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            yield prefix, m, graph
+
+
 def forget_trace(modules) -> None:
-    """Drop what tracing left on the graphs' nodes (fake tensors, symbolic sizes, their shape
-    environment): a built stage runs without it, and an owner that builds many stages in one
-    process (a test, a notebook) keeps none of it alive."""
+    """Drop what tracing left on the graphs' nodes (fake tensors, symbolic sizes, their shape environment):
+    a built stage runs without it, and an owner that builds many stages keeps none of it alive."""
     for top in modules:
-        for module in top.modules():
-            graph = getattr(module, "graph", None)
-            if isinstance(graph, torch.fx.Graph):
-                for node in graph.nodes:
-                    node.meta.clear()
+        for _, _, graph in graphs(top):
+            for node in graph.nodes:
+                node.meta.clear()
 
 
 def _graph_module(pipe, index: int) -> nn.Module:
