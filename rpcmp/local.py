@@ -25,22 +25,93 @@ __all__ = ["launch_local"]
 
 
 def _watch_parent(parent: int) -> None:
-    """A local worker exits if its launcher dies, so nothing is left behind."""
+    """A local worker exits if its launcher dies, so nothing is left behind (its parent is the
+    fork server, which exits with the launcher: either going away ends the worker)."""
+    server = os.getppid()
+
     def loop():
         while True:
-            if os.getppid() != parent:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(3)
+            except PermissionError:
+                pass
+            if os.getppid() != server:
                 os._exit(3)
             time.sleep(0.5)
     threading.Thread(target=loop, daemon=True, name="rpcmp-parent-watch").start()
+
+
+# Third-party libraries worth importing once in the fork server when the job imports them.
+_HEAVY = ("segmentation_models_pytorch", "transformers", "torchvision", "timm")
+
+
+def process_context(job_path: str | None = None, preload: tuple[str, ...] = ()) -> Any:
+    """The multiprocessing context local ranks and a daemon's jobs start from.
+
+    [Note: forked from a warm server]
+    Every rank imports torch, rpcmp and the job's model library before it can join the RPC
+    world: 3-5 s of CPU each, paid by every process of every run (with ``spawn``, N processes
+    on 2 cores paid it side by side). A ``forkserver`` imports them once, in a server
+    started at the first launch of this process, and forks each rank from it, so a rank
+    starts with its imports done (measured: benchmarks/startup.py). What the server holds is
+    fixed when it starts: the modules below (torch, every rpcmp module, and the heavy model
+    libraries the job file imports, never the job's own code, which might touch CUDA or
+    start threads), and its environment; each child is handed the launcher's current
+    environment (:func:`_local_child`), so a variable set after the server started still
+    reaches it. The server exits with its launcher; a forked rank watches both.
+    """
+    ctx = mp.get_context("forkserver")
+    modules = ["torch", "torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim",
+               "torch.export", *_rpcmp_modules(), *preload]
+    if job_path is not None:
+        modules += [m for m in _HEAVY if m in _imported_by(job_path)]
+    ctx.set_forkserver_preload(list(dict.fromkeys(modules)))
+    return ctx
+
+
+def _rpcmp_modules() -> list[str]:
+    import pkgutil
+
+    import rpcmp
+    return [m.name for m in pkgutil.walk_packages(rpcmp.__path__, "rpcmp.") if m.name != "rpcmp.master"]
+
+
+def _imported_by(job_path: str) -> set[str]:
+    """The top-level packages a job file imports (read, not run)."""
+    import ast
+    try:
+        tree = ast.parse(open(job_path).read())
+    except (OSError, SyntaxError, ValueError):
+        return set()  # load_job says what is wrong with it
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module.split(".")[0])
+    return names
 
 
 # A local run talks on loopback only, whatever RPCMP_IFACE / --iface say (they are for multi-node runs).
 _LOCAL_ENV = {"RPCMP_IFACE": "lo", "TP_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
-def _local_child(job_path, rank, world_size, port, overrides, main, results, parent, started):
+def _name_process(name: str) -> None:
+    """Show the rank in ``ps`` / ``top`` / ``pgrep`` (a forked rank's command line is the fork server's)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, f"rpcmp-{name}"[:15].encode(), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def _local_child(job_path, rank, world_size, port, overrides, main, results, parent, started, env):
     _watch_parent(parent)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
+    _name_process(process_name(rank))
+    os.environ.clear()
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
     try:
         try:
             job = load_job(job_path, overrides=overrides)  # fails here, not in the RPC rendezvous: see _wait_started
@@ -72,7 +143,7 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     with ``master_in_process=False`` it runs in a child too and its result comes back
     through a queue (tests use this so every test gets fresh processes).
     """
-    ctx = mp.get_context("spawn")
+    ctx = process_context(job_path)
     master_in_process = master_in_process and not _rpc_used_here()  # see [Note: one RPC world per process]
     started = ctx.Queue()
     port = free_port()
@@ -81,18 +152,12 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     results = None if master_in_process else ctx.Queue()
     first = 1 if master_in_process else 0
     procs = []
-    user_arenas = os.environ.get("MALLOC_ARENA_MAX")
-    os.environ["MALLOC_ARENA_MAX"] = user_arenas or "1"  # glibc reads it as each child starts: [Note: one malloc arena]
-    try:
-        for rank in range(first, nprocs):
-            p = ctx.Process(target=_local_child, name=process_name(rank),
-                            args=(job_path, rank, nprocs, port, overrides, main,
-                                  results if rank == 0 else None, os.getpid(), started))
-            p.start()
-            procs.append(p)
-    finally:
-        if user_arenas is None:
-            del os.environ["MALLOC_ARENA_MAX"]
+    for rank in range(first, nprocs):
+        p = ctx.Process(target=_local_child, name=process_name(rank),
+                        args=(job_path, rank, nprocs, port, overrides, main,
+                              results if rank == 0 else None, os.getpid(), started, dict(os.environ)))
+        p.start()
+        procs.append(p)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         _wait_started(started, procs, deadline)

@@ -33,18 +33,16 @@ _SHUTDOWN_TIMEOUT = 30.0
 
 
 def _one_malloc_arena() -> None:
-    """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise
-    (:func:`launch_local` sets it for its children; under torchrun this limits the arenas
-    of threads started from here on).
+    """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise (this
+    limits the arenas of the threads started from here on, in every kind of launch).
 
     [Note: one malloc arena]
     A stage process allocates from many threads: RPC threads receive activations and
     gradients, the compute thread runs forwards, autograd threads run backwards and
     recomputations. glibc gives each thread its own arena and keeps every arena's peak,
     so a process's resident memory is the sum of the threads' high-water marks. One
-    arena lets them reuse each other's freed memory, at the same step time. Under torchrun
-    only ``mallopt`` from here can set it, and it does as well as ``MALLOC_ARENA_MAX=1``
-    exported before torchrun: the threads that allocate the activations all start after
+    arena lets them reuse each other's freed memory, at the same step time. ``mallopt`` from
+    here does as well as ``MALLOC_ARENA_MAX=1`` exported before the process started: the threads that allocate the activations all start after
     this call (figures: benchmarks/PERFORMANCE.md, design measurements).
     """
     if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):

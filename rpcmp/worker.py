@@ -30,7 +30,6 @@ import base64
 import hashlib
 import hmac
 import json
-import multiprocessing as mp
 import os
 import re
 import secrets
@@ -47,6 +46,7 @@ import torch.distributed as dist
 
 from .errors import JobError
 from .errors import NetworkError
+from .local import process_context
 from .network import bound_store, port_free
 
 __all__ = ["serve_forever", "publish_job"]
@@ -211,7 +211,7 @@ def serve_forever(master: str, rank: int, token: str, poll: float = 1.0) -> None
         if job is None:
             continue
         _log(f"job {job['id'][:8]}: serving rank {rank} of {job['world_size']}")
-        ctx = mp.get_context("spawn")
+        ctx = process_context(job["path"])  # see [Note: forked from a warm server]
         finished = ctx.Event()
         proc = ctx.Process(
             target=_serve_job, args=(job["path"], rank, job["world_size"], host,

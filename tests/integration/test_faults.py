@@ -16,9 +16,11 @@ pytestmark = pytest.mark.integration
 BIN = os.path.dirname(sys.executable)
 
 
-def _children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return sorted(int(p) for p in out)
+def _workers(session):
+    """The run's worker processes, worker1 first (each local rank names itself rpcmp-workerN)."""
+    out = subprocess.run(["pgrep", "-s", str(session), "-l", "^rpcmp-worker"], capture_output=True, text=True).stdout
+    named = [line.split() for line in out.splitlines()]
+    return [int(pid) for pid, _ in sorted(named, key=lambda n: int(n[1].removeprefix("rpcmp-worker")))]
 
 
 def _alive(pid):
@@ -50,10 +52,10 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
         while latest_checkpoint(ckpt_dir) is None:
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
             time.sleep(0.2)
-        workers = [p for p in _children(proc.pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+        workers = _workers(proc.pid)
         assert len(workers) == nworkers
         everyone = [proc.pid] + workers
-        os.kill(workers[0], sig)  # the first spawned is worker1, owner of stage 0
+        os.kill(workers[0], sig)  # worker1, owner of stage 0
         start = time.monotonic()
         _, err = proc.communicate(timeout=bound + 30)
         waited = time.monotonic() - start

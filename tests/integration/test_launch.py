@@ -62,13 +62,13 @@ def test_master_outside_torchrun_says_how_to_launch():
 
 @pytest.mark.timeout(120)
 def test_local_run_listens_on_loopback_only():
-    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--epochs", "100"],
+    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), "--local", "3", "--epochs", "10000"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline, listening = time.monotonic() + 60, []
         while time.monotonic() < deadline:
-            pids = {proc.pid, *map(int, subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
-                                                      text=True).stdout.split())}
+            # every process of the run (ranks are forked by a fork server: grandchildren) is in its session
+            pids = set(map(int, subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()))
             lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
             listening = [ln.split()[3] for ln in lines if any(f"pid={p}," in ln for p in pids)]
             if len(listening) >= 4:  # the store + one TensorPipe listener per process
