@@ -45,9 +45,16 @@ def _watch_parent(parent: int) -> None:
 
 # Third-party libraries worth importing once in the fork server when the job imports them.
 _HEAVY = ("segmentation_models_pytorch", "transformers", "torchvision", "timm")
+_EXTRA: list[str] = []
 
 
-def process_context(job_path: str | None = None, preload: tuple[str, ...] = ()) -> Any:
+def preload(*modules: str) -> None:
+    """Also import ``modules`` in the fork server when it starts (a test suite or a notebook
+    that will launch several jobs); no effect on a server already running."""
+    _EXTRA.extend(modules)
+
+
+def process_context(job_path: str | None = None) -> Any:
     """The multiprocessing context local ranks and a daemon's jobs start from.
 
     [Note: forked from a warm server]
@@ -64,7 +71,7 @@ def process_context(job_path: str | None = None, preload: tuple[str, ...] = ()) 
     """
     ctx = mp.get_context("forkserver")
     modules = ["torch", "torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim",
-               "torch.export", *_rpcmp_modules(), *preload]
+               "torch.export", *_rpcmp_modules(), *_EXTRA]
     if job_path is not None:
         modules += [m for m in _HEAVY if m in _imported_by(job_path)]
     ctx.set_forkserver_preload(list(dict.fromkeys(modules)))

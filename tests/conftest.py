@@ -7,6 +7,8 @@ import tempfile
 import pytest
 import torch
 
+import rpcmp.local
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_tmpdir(tmp_path_factory):
@@ -19,6 +21,11 @@ def _session_tmpdir(tmp_path_factory):
     else:
         os.environ["TMPDIR"] = saved
     tempfile.tempdir = None
+
+
+# Every model library a test job uses, imported once by the fork server local ranks start from.
+rpcmp.local.preload("segmentation_models_pytorch", "transformers.models.gpt2.modeling_gpt2",
+                    "transformers.models.llama.modeling_llama")
 
 
 @pytest.fixture(autouse=True)
