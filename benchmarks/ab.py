@@ -19,7 +19,7 @@ from rich.console import Console
 from bench import JOBS, mlp_data, median_time, unet_data
 
 import rpcmp
-from rpcmp.local import launch_local
+from rpcmp.launch.local import launch_local
 
 WORLD = {"mlp": 2, "unet": 3}
 

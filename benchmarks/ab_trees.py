@@ -25,15 +25,21 @@ tree = sys.argv[1]
 sys.path[:0] = [os.path.join(tree, "benchmarks"), tree]
 import rpcmp, bench
 try:
-    from rpcmp.local import launch_local
-except ImportError:  # trees from before rpcmp/local.py
-    from rpcmp.runtime import launch_local
+    from rpcmp.launch.local import launch_local
+except ImportError:  # trees from before the subpackages (rpcmp/launch/)
+    try:
+        from rpcmp.local import launch_local
+    except ImportError:  # trees from before rpcmp/local.py
+        from rpcmp.runtime import launch_local
 
 def main(job, world):
     x, y = bench.mlp_data() if sys.argv[2] == "mlp" else bench.unet_data()
     if job.replicas > 1:
         from functools import partial
-        from rpcmp.replicas import Replicated
+        try:
+            from rpcmp.master.replicas import Replicated
+        except ImportError:  # trees from before the subpackages
+            from rpcmp.replicas import Replicated
         try:
             pipe = Replicated(job, world, rpcmp.Pipeline, sample=x)
         except TypeError:  # trees whose Replicated took a pipeline factory

@@ -25,8 +25,8 @@ from rich.console import Console
 from rich.table import Table
 
 import rpcmp
-from rpcmp.local import launch_local
-from rpcmp.runtime import free_port
+from rpcmp.launch.local import launch_local
+from rpcmp.launch.runtime import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 JOBS = os.path.join(HERE, "jobs")
@@ -100,7 +100,7 @@ def _rpcmp_unet_memory(job, world):
 
 
 def _rpcmp_ddp(job, world):
-    from rpcmp.ddp import DDPEngine
+    from rpcmp.train.ddp import DDPEngine
     engine = DDPEngine(job)
     x, y = mlp_data()
     rank = torch.distributed.get_rank()

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 import rpcmp
-from rpcmp.local import launch_local
+from rpcmp.launch.local import launch_local
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -40,16 +40,16 @@ def _steps(kind, job, world_size):
     """Median step time of ``job`` (its mode and layout) on the model ``kind``'s bench batch."""
     x, y = DATA[kind]()
     if job.mode == "ddp":
-        from rpcmp.ddp import DDPEngine
+        from rpcmp.train.ddp import DDPEngine
         engine = DDPEngine(job)
         rank = torch.distributed.get_rank()
         return median_time(lambda: engine.train_step([(x[rank::world_size], y[rank::world_size])]))
-    from rpcmp.replicas import Replicated
+    from rpcmp.master.replicas import Replicated
     # the bench jobs have no data: SplitAt traces this batch
     pipe = (Replicated(job, world_size, rpcmp.Pipeline, sample=x) if job.replicas > 1
             else rpcmp.Pipeline(job, world_size, sample=x))
     seconds = median_time(lambda: pipe.train_step(x, y))
-    if job.replicas > 1:  # how much of the averaging ran behind the backward (rpcmp/reduce.py)
+    if job.replicas > 1:  # how much of the averaging ran behind the backward (rpcmp/owner/reduce.py)
         stats = pipe.stats()
         took, waited = sum(s["reduce_s"] for s in stats), sum(s["reduce_wait_s"] for s in stats)
         print(f"{kind} 2 x 2: all_reduce {took * 1e3:.0f} ms in all, {waited * 1e3:.0f} ms of it waited for at the step's "

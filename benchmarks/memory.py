@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 from rich.console import Console
 
 from bench import JOBS, _run, peak_rss_mib
-from rpcmp.local import launch_local
+from rpcmp.launch.local import launch_local
 
 
 def _one_process(path, queue):
@@ -45,7 +45,7 @@ def _one_process(path, queue):
 
 
 def _split(job, world):
-    from rpcmp.trainer import fit
+    from rpcmp.train.trainer import fit
     fit(job, world)
     return {"master": peak_rss_mib(), **{f"worker{r}": rpc.rpc_sync(f"worker{r}", peak_rss_mib) for r in range(1, world)}}
 

@@ -25,7 +25,10 @@ t0 = float(sys.argv[3])
 tree = sys.argv[1]
 sys.path[:0] = [os.path.join(tree, "benchmarks"), tree]
 import rpcmp, bench
-from rpcmp.local import launch_local
+try:
+    from rpcmp.launch.local import launch_local
+except ImportError:  # trees from before the subpackages (rpcmp/launch/)
+    from rpcmp.local import launch_local
 
 def main(job, world):
     x, y = bench.unet_data()

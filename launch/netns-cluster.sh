@@ -64,7 +64,7 @@ pids=()
 for ((i = 0; i < NODES; i++)); do
   host=false; [[ $i -eq 0 ]] && host=true
   addr_opt=(--local-addr "$SUBNET.$((i + 1))")
-  # RPCMP_NETNS_OMIT_LOCAL_ADDR=1 reproduces the classic fault, for the tests: see rpcmp/network.py
+  # RPCMP_NETNS_OMIT_LOCAL_ADDR=1 reproduces the classic fault, for the tests: see rpcmp/launch/network.py
   [[ -n "${RPCMP_NETNS_OMIT_LOCAL_ADDR:-}" ]] && addr_opt=()
   # RPCMP_NETNS_TORCHRUN_ARGS: more torchrun options for every node (e.g. --max-restarts=1)
   read -r -a extra <<<"${RPCMP_NETNS_TORCHRUN_ARGS:-}"

@@ -9,8 +9,8 @@ Declare stages in a job file, then launch it::
 from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NetworkError, NonFiniteLossError,
                      PartitionError, PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError, WorkerLostError)
 from .job import Job, load_job
-from .partition import Split, SplitAt
-from .pipeline import Pipeline
+from .plan.partition import Split, SplitAt
+from .master.pipeline import Pipeline
 
 __all__ = [
     "Job", "Split", "SplitAt", "Pipeline", "load_job",

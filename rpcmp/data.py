@@ -52,8 +52,8 @@ def first_batch(job) -> Any:
 
 def needs_sample(job) -> bool:
     """Whether planning the stages needs a batch: Split(by="time") profiles layers on it, and
-    stages given by name are checked against the model's forward on it (rpcmp/chain.py)."""
-    from .partition import declaration_kind
+    stages given by name are checked against the model's forward on it (rpcmp/plan/chain.py)."""
+    from .plan.partition import declaration_kind
     if getattr(job.stages, "by", None) == "time" and getattr(job.stages, "parts", None) is not None:
         return True
     try:

@@ -16,8 +16,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .errors import JobError
-from .schedule import SCHEDULES
-from .partition import Split, declaration_kind
+from .plan.schedule import SCHEDULES
+from .plan.partition import Split, declaration_kind
+from .plan.topology import check_replicas
 
 __all__ = ["Job", "load_job"]
 
@@ -51,14 +52,14 @@ class Job:
     batch_size: int = 8
     microbatches: int = 1
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
-    replicas: int = 1  # pipeline mode: copies of the pipeline, each on its share of every batch (rpcmp/replicas.py)
+    replicas: int = 1  # pipeline mode: copies of the pipeline, each on its share of every batch (rpcmp/master/replicas.py)
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
     precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
-    recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/stage.py)
-    batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/pipeline.py)
+    recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/owner/stage.py)
+    batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/master/pipeline.py)
     sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
     # "overlap": each micro-batch's backward starts when its forward ends; "1f1b": that, with at most S
-    # micro-batches in flight (activation memory of S, not M); "gpipe": one context per step (rpcmp/pipeline.py)
+    # micro-batches in flight (activation memory of S, not M); "gpipe": one context per step (rpcmp/master/pipeline.py)
     schedule: str = "overlap"
     epochs: int = 1
     max_steps: int | None = None
@@ -68,7 +69,7 @@ class Job:
     rpc_timeout: float = 60.0
     nonfinite: str = "stop"  # NaN/inf loss: "stop" with an error, or "skip" the update with a warning
     hang_timeout: float = 20.0  # a worker silent this long ends the job (0: never; a dead one is seen at once)
-    trace_file: str | None = None  # pipeline mode: Chrome-trace JSON of steps 2-4 (see rpcmp/trace.py)
+    trace_file: str | None = None  # pipeline mode: Chrome-trace JSON of steps 2-4 (see rpcmp/train/timeline.py)
     metrics_file: str | None = None  # JSON lines: one per step, epoch and run end
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: at the end of every epoch
@@ -91,15 +92,7 @@ class Job:
                 f"Job.microbatches ({self.microbatches}) is larger than Job.batch_size ({self.batch_size}): "
                 f"each micro-batch needs at least one sample; lower microbatches or raise batch_size"
             )
-        if self.replicas > 1 and self.mode != "pipeline":
-            raise JobError(f"Job.replicas={self.replicas} copies a pipeline of stages; DDP mode copies the whole model "
-                           f"on every rank already: drop replicas, or use mode='pipeline'")
-        if self.replicas > 1 and (self.batch_size % self.replicas or self.batch_size // self.replicas < self.microbatches):
-            raise JobError(f"Job.batch_size ({self.batch_size}) is the global batch, split over {self.replicas} replicas "
-                           f"into {self.microbatches} micro-batches each: make it a multiple of {self.replicas} of at "
-                           f"least {self.replicas * self.microbatches}")
-        if self.replicas > 1 and self.trace_file:
-            raise JobError("Job.trace_file draws the timeline of one pipeline: trace with replicas=1 (the copies run alike)")
+        check_replicas(self)
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise JobError(f"Job.checkpoint_every must be 0 (every epoch) or a positive step count, got {self.checkpoint_every!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 1:

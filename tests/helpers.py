@@ -9,7 +9,7 @@ from torch import nn
 
 from rpcmp.job import load_job
 
-from rpcmp.local import launch_local
+from rpcmp.launch.local import launch_local
 
 JOBS = os.path.join(os.path.dirname(__file__), "jobs")
 

@@ -44,7 +44,7 @@ job = rpcmp.Job(
     microbatches=4,
     # Pipeline the 4 micro-batches, each normalised by its own BatchNorm statistics (as GPipe
     # does). The default, batchnorm="batch", keeps whole-batch statistics exactly by running
-    # each batch as one micro-batch (see [Note: BatchNorm and micro-batches] in rpcmp/pipeline.py).
+    # each batch as one micro-batch (see [Note: BatchNorm and micro-batches] in rpcmp/master/pipeline.py).
     batchnorm="micro",
     epochs=3,
 )

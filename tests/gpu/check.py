@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(HERE))  # tests/: helpers
 
 def _steps_timed(job, world_size):
     from helpers import batches
-    from rpcmp.engine import make_engine
+    from rpcmp.train.engine import make_engine
     engine = make_engine(job, world_size)
     data = batches(23, size=64)
     for x, y in data[:3]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers import assert_close_f32, batches, load, run_ranks, train_reference
-from rpcmp.checkpoint import load_checkpoint
+from rpcmp.core.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -16,7 +16,7 @@ GPU_F32 = {"rtol": 1e-4, "atol": 1e-5}  # CUDA kernels sum in other orders than 
 
 def _steps(job, world_size):
     pipe_losses = []
-    from rpcmp.engine import make_engine
+    from rpcmp.train.engine import make_engine
     engine = make_engine(job, world_size)
     for x, y in batches(3, size=8):
         pipe_losses.append(engine.pipe.train_step(x, y).item())
@@ -36,7 +36,7 @@ def test_cuda_stages_in_separate_processes_train_as_the_unsplit_model(device_map
 
 
 def _fit(job, world_size):
-    from rpcmp.trainer import fit
+    from rpcmp.train.trainer import fit
     return fit(job, world_size)
 
 

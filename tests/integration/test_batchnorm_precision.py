@@ -9,7 +9,7 @@ import torch
 import rpcmp
 import torch.distributed.rpc as rpc
 from helpers import assert_close_f32, batches, load, run_ranks, train_reference
-from rpcmp import stage_state
+from rpcmp.owner import state as stage_state
 
 pytestmark = pytest.mark.integration
 STEPS = 3

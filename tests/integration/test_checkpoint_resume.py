@@ -11,9 +11,9 @@ import torch
 
 import rpcmp
 from helpers import assert_close_f32, load, run_ranks
-from rpcmp.checkpoint import load_checkpoint
-from rpcmp.engine import PipelineEngine
-from rpcmp.trainer import _save, fit
+from rpcmp.core.checkpoint import load_checkpoint
+from rpcmp.train.engine import PipelineEngine
+from rpcmp.train.trainer import _save, fit
 
 pytestmark = pytest.mark.integration
 ADAM = (torch.optim.Adam, {"lr": 0.01})
@@ -132,7 +132,7 @@ def test_split_unet_checkpoint_loads_into_plain_unet(tmp_path):
 
 WRITER = """
 import sys, torch
-from rpcmp.checkpoint import save_checkpoint
+from rpcmp.core.checkpoint import save_checkpoint
 size = int(sys.argv[2])
 save_checkpoint(sys.argv[1], {"model": {"w": torch.full((size,), float(size))}, "step": size}, size)
 """

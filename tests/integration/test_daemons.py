@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers import job_path
-from rpcmp.runtime import free_port
+from rpcmp.launch.runtime import free_port
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
@@ -172,7 +172,7 @@ def test_a_daemon_refuses_every_forged_offer_stays_up_and_then_serves_an_honest_
 ], ids=["ddp", "replicas"])
 def test_daemons_run_ddp_and_replicas_equal_to_a_local_run(tmp_path, args, workers, says):
     from helpers import assert_close_f32
-    from rpcmp.checkpoint import load_checkpoint
+    from rpcmp.core.checkpoint import load_checkpoint
     port = free_port()
     token = tmp_path / "token"
     token.write_text("s3cret\n")
@@ -239,7 +239,7 @@ def test_an_unprivileged_daemon_with_the_documented_token_permissions_serves_a_c
     import tempfile
     import uuid
 
-    from rpcmp.checkpoint import load_checkpoint
+    from rpcmp.core.checkpoint import load_checkpoint
     user = f"rpcmpt{uuid.uuid4().hex[:6]}"
     subprocess.run(["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/usr/sbin/nologin", user],
                    check=True)

@@ -8,8 +8,8 @@ from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from helpers import assert_close_f32, load, run_ranks
-from rpcmp.checkpoint import load_checkpoint
-from rpcmp.trainer import fit
+from rpcmp.core.checkpoint import load_checkpoint
+from rpcmp.train.trainer import fit
 
 pytestmark = pytest.mark.integration
 SGD = (torch.optim.SGD, {"lr": 0.1})

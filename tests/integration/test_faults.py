@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers import job_path
-from rpcmp.checkpoint import latest_checkpoint, load_checkpoint
+from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
 BIN = os.path.dirname(sys.executable)

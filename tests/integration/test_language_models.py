@@ -112,14 +112,14 @@ def test_sequence_length_changes_from_step_to_step(model_runs):
 
 
 def _fit(job, world_size):
-    from rpcmp.trainer import fit
+    from rpcmp.train.trainer import fit
     return fit(job, world_size)["steps"]
 
 
 @pytest.mark.timeout(400)
 def test_a_tied_model_exports_to_the_plain_model_with_its_pair_still_one_tensor(tmp_path):
     from click.testing import CliRunner
-    from rpcmp.checkpoint import load_checkpoint
+    from rpcmp.core.checkpoint import load_checkpoint
     from rpcmp.cli import main
     folder = str(tmp_path / "ckpt")
     assert run_ranks("nanogpt", 4, _fit, {"checkpoint_dir": folder, "max_steps": 3, "threads": 1}, timeout=300) == 3

@@ -98,7 +98,7 @@ TWICE = """
 import sys
 sys.path[:0] = [{tests!r}]
 from helpers import job_path
-from rpcmp.local import launch_local
+from rpcmp.launch.local import launch_local
 
 def main(job, world_size):
     import rpcmp

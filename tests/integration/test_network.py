@@ -127,7 +127,7 @@ def test_a_local_run_listens_on_loopback_only_even_with_an_interface_named():
                     ["addr", "add", "10.233.7.1/24", "dev", "eth9"], ["link", "set", "eth9", "up"], ["link", "set", "eth8", "up"]):
             subprocess.run(["ip", "-n", ns, *cmd], check=True)
         code = ("import sys; sys.path[:0] = [%r, %r]; from helpers import job_path; import test_network as t; "
-                "from rpcmp.local import launch_local; "
+                "from rpcmp.launch.local import launch_local; "
                 "print(launch_local(job_path('mlp'), 3, t._train_and_list_sockets, timeout=120, master_in_process=False))"
                 % (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(__file__)))
         proc = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,
@@ -154,7 +154,7 @@ def _rank0_pid(namespace):
 
 
 def _fit_steps(job, world_size):
-    from rpcmp.trainer import fit
+    from rpcmp.train.trainer import fit
     return fit(job, world_size)["steps"]
 
 
@@ -162,7 +162,7 @@ def _fit_steps(job, world_size):
 @pytest.mark.timeout(600)
 def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_uninterrupted_run(tmp_path):
     from helpers import assert_close_f32, run_ranks
-    from rpcmp.checkpoint import latest_checkpoint, load_checkpoint
+    from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
     steps, every = 1500, 100
     clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
     logs.mkdir()
@@ -210,7 +210,7 @@ GRIDS = [(4, 1, "0@master/cpu,worker1/cpu  1@worker2/cpu,worker3/cpu"),
 @pytest.mark.parametrize("nodes,per_node,grid", GRIDS, ids=["4x1", "3x2"])
 def test_two_replicas_of_two_stages_on_namespaced_nodes_equal_a_local_run(tmp_path, nodes, per_node, grid):
     from helpers import assert_close_f32, run_ranks
-    from rpcmp.checkpoint import load_checkpoint
+    from rpcmp.core.checkpoint import load_checkpoint
     os.makedirs(tmp_path / "logs")
     proc, logs = _cluster(tmp_path / "logs", os.path.join(ROOT, "tests", "jobs", "mlp.py"), "--replicas", "2",
                           "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "cluster"), nodes=nodes, per_node=per_node)

@@ -7,9 +7,9 @@ import torch.distributed.rpc as rpc
 from click.testing import CliRunner
 
 from helpers import assert_close_f32, load, run_ranks
-from rpcmp.checkpoint import CheckpointError, load_checkpoint
+from rpcmp.core.checkpoint import CheckpointError, load_checkpoint
 from rpcmp.cli import main
-from rpcmp.trainer import fit
+from rpcmp.train.trainer import fit
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from helpers import assert_close_f32, job_path
-from rpcmp.checkpoint import latest_checkpoint, load_checkpoint
+from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
 BIN = os.path.dirname(sys.executable)

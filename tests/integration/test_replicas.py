@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from helpers import assert_close_f32, batches, run_ranks
-from rpcmp.checkpoint import load_checkpoint
-from rpcmp.trainer import fit
+from rpcmp.core.checkpoint import load_checkpoint
+from rpcmp.train.trainer import fit
 
 pytestmark = pytest.mark.integration
 OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.01})}
@@ -18,7 +18,7 @@ OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "
 def _pipeline_steps(job, world_size):
     """3 steps of 8 samples with each optimizer; the losses and parameters after them."""
     import dataclasses
-    from rpcmp.engine import make_engine
+    from rpcmp.train.engine import make_engine
     out = {}
     for name, optimizer in OPTIMIZERS.items():
         engine = make_engine(dataclasses.replace(job, optimizer=optimizer), world_size)
@@ -38,7 +38,7 @@ def _ddp_steps(job, world_size):
     """The same batches in DDP mode: rank r reads samples r, r + 2, ... of each."""
     import dataclasses
     import torch.distributed as dist
-    from rpcmp.ddp import DDPEngine
+    from rpcmp.train.ddp import DDPEngine
     out, rank = {}, dist.get_rank()
     for name, optimizer in OPTIMIZERS.items():
         engine = DDPEngine(dataclasses.replace(job, optimizer=optimizer))
@@ -65,7 +65,7 @@ def test_two_replicas_of_two_stages_train_as_one_pipeline_and_as_ddp_on_two_rank
 def _signed_steps(job, world_size):
     """Steps on inputs of one sign (the gate's scale used by every copy), and, with replicas, one
     between them whose even samples (copy 0's) are positive and odd ones (copy 1's) negative."""
-    from rpcmp.engine import make_engine
+    from rpcmp.train.engine import make_engine
     pipe = make_engine(job, world_size).pipe
     (x1, y1), (x2, y2), (x3, y3) = batches(3)
     x1, x2, x3 = x1.abs(), x2.abs() * torch.tensor([1.0, -1.0]).repeat(4)[:, None], x3.abs()
@@ -117,7 +117,7 @@ def test_a_checkpoint_is_written_once_and_resumes_under_another_replica_count_an
     assert_close_f32(first["metric_before"], whole["metric_before"])
     # prediction through the copies: each predicts a share, the outputs come back in the held-out order
     from helpers import load
-    from rpcmp.predict import predict_local
+    from rpcmp.train.predict import predict_local
     shared = run_ranks("mlp", 5, _predict, {"replicas": 2, "checkpoint_dir": str(tmp_path / "grid")})
     alone = predict_local(load("mlp"), str(tmp_path / "grid"), str(tmp_path / "alone"), 0)
     assert_close_f32(torch.load(os.path.join(shared["out_dir"], "predictions.pt")),
@@ -126,6 +126,6 @@ def test_a_checkpoint_is_written_once_and_resumes_under_another_replica_count_an
 
 
 def _predict(job, world_size):
-    from rpcmp.predict import predict_split
+    from rpcmp.train.predict import predict_split
     out_dir = os.path.join(job.checkpoint_dir, "shared")
     return {**predict_split(job, world_size, job.checkpoint_dir, out_dir, 0), "out_dir": out_dir}

@@ -100,9 +100,9 @@ def test_a_failing_stage_is_reported_once_with_its_own_traceback(owner):
             f"mat1 and mat2 shapes cannot be multiplied (8192x1 and 512x10)")
     assert err.count(line) == 1 and err.count("error:") == 1, err
     assert err.count("Traceback") == 1 and 'explodes.py", line 15, in forward' in err, err
-    assert "rpcmp/stage.py" not in err and "WorkerInfo" not in err and "torch/distributed" not in err, err
+    assert "rpcmp/owner/stage.py" not in err and "WorkerInfo" not in err and "torch/distributed" not in err, err
     assert "(during training step 1)" in err
     assert len(err.splitlines()) <= 12, err
     debug = subprocess.run([rpcmp_bin, "run", job_path("explodes"), "--local", "3", "--debug"], capture_output=True,
                            text=True, timeout=150, env=env).stderr
-    assert debug.count(line) == 1 and "rpcmp/stage.py" in debug and 'explodes.py", line 15' in debug, debug
+    assert debug.count(line) == 1 and "rpcmp/owner/stage.py" in debug and 'explodes.py", line 15' in debug, debug

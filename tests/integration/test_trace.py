@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 
 def _busy(intervals):
-    """Union length of (start, end) intervals, computed independently of rpcmp.trace."""
+    """Union length of (start, end) intervals, computed independently of rpcmp.train.timeline."""
     points = sorted(intervals)
     total, cur_a, cur_b = 0.0, None, None
     for a, b in points:

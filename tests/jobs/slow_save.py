@@ -2,13 +2,13 @@
 (lowered to 3 s here, so that the test is quick)."""
 import time
 
-import rpcmp.ddp
-import rpcmp.trainer
+import rpcmp.train.ddp
+import rpcmp.train.trainer
 from mlp import job
 
-rpcmp.ddp._MIN_COLLECTIVE_S = 3.0
+rpcmp.train.ddp._MIN_COLLECTIVE_S = 3.0
 job.hang_timeout = 2.0
-_write = rpcmp.trainer._write
+_write = rpcmp.train.trainer._write
 
 
 def _slow_write(*args, **kwargs):
@@ -16,4 +16,4 @@ def _slow_write(*args, **kwargs):
     return _write(*args, **kwargs)
 
 
-rpcmp.trainer._write = _slow_write
+rpcmp.train.trainer._write = _slow_write

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from rpcmp.admission import InOrder
+from rpcmp.owner.admission import InOrder
 from rpcmp.errors import StageError
 
 

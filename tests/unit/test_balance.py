@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from rpcmp.balance import balance_by_params, balance_by_time, partition_costs
+from rpcmp.plan.balance import balance_by_params, balance_by_time, partition_costs
 from rpcmp.errors import PartitionError
 
 

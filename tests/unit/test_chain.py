@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 import rpcmp
 from rpcmp.errors import PartitionError
-from rpcmp.partition import plan_stages
+from rpcmp.plan.partition import plan_stages
 
 
 class Classifier(nn.Module):  # the classic: a functional activation in forward

@@ -4,7 +4,7 @@ import subprocess
 import pytest
 import torch
 
-from rpcmp.checkpoint import (CheckpointError, CheckpointWriteError, check_model_keys, latest_checkpoint, load_checkpoint,
+from rpcmp.core.checkpoint import (CheckpointError, CheckpointWriteError, check_model_keys, latest_checkpoint, load_checkpoint,
                               save_checkpoint, save_stage_file)
 
 
@@ -101,6 +101,6 @@ def test_only_a_failed_write_is_reported_as_one(tmp_path):
 
 
 def test_a_failed_write_is_a_run_failure_exit_1_not_an_input_mistake_exit_2():
-    from rpcmp.cli import exit_code
+    from rpcmp.cli.commands import exit_code
     assert exit_code(CheckpointWriteError("disk full")) == 1
     assert exit_code(CheckpointError("another model")) == 2

@@ -2,7 +2,7 @@
 import pickle
 
 from rpcmp.errors import PartitionError, StageError, StageOutputError
-from rpcmp.failure import Failure
+from rpcmp.core.failure import Failure
 
 
 def _failure_of(exc):

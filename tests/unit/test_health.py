@@ -5,9 +5,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from rpcmp.health import Heartbeats
-from rpcmp.runtime import free_port
-from rpcmp.served import RunStatus
+from rpcmp.core.health import Heartbeats
+from rpcmp.launch.runtime import free_port
+from rpcmp.core.served import RunStatus
 
 
 @pytest.fixture

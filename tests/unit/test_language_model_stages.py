@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import rpcmp
-from rpcmp.materialize import graph_constants, tensor_table
-from rpcmp.partition import build_stage, plan_stages
-from rpcmp.tied import describe, norm_skips, shared_groups
-from rpcmp.lengths import check_sizes
-from rpcmp.traced import graph_devices, run_stages
+from rpcmp.plan.materialize import graph_constants, tensor_table
+from rpcmp.plan.partition import build_stage, plan_stages
+from rpcmp.master.tied import describe, norm_skips, shared_groups
+from rpcmp.plan.lengths import check_sizes
+from rpcmp.plan.traced import graph_devices, run_stages
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "jobs"))
 from helpers import job_path, load  # noqa: E402
@@ -169,7 +169,7 @@ def test_plan_check_compares_every_stage_with_the_unsplit_model():
 
 
 def test_plan_check_names_a_stage_that_differs_from_the_unsplit_model(monkeypatch):
-    from rpcmp import check
+    from rpcmp.cli import check
     job = load("nanogpt")
     specs = _plan(job)
     real = check.build_stage
@@ -191,7 +191,7 @@ def test_the_check_after_a_build_names_what_has_no_value():
     """A stage as the meta trace leaves it (what every owner ran before: its positions made on the meta
     device gave a nanoGPT decoder NaN) is refused by name."""
     from rpcmp.errors import PartitionError
-    from rpcmp.materialize import check_materialized
+    from rpcmp.plan.materialize import check_materialized
     job = load("nanogpt")
     stage = build_stage(job, _plan(job)[0], meta=True)
     with pytest.raises(PartitionError, match=r"stage 0 \(x\) has tensors without their unsplit values: graph nodes "

@@ -8,7 +8,7 @@ import torchvision
 from torch import nn
 
 from rpcmp.errors import PartitionError
-from rpcmp.materialize import build_part, meta_model
+from rpcmp.plan.materialize import build_part, meta_model
 
 
 class Tied(nn.Module):  # a parameter computed before it is registered, a constant buffer, tied weights

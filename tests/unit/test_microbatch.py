@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rpcmp.errors import MicroBatchError, StageOutputError
-from rpcmp.microbatch import batch_size, check_tensors, gather, scatter
+from rpcmp.core.microbatch import batch_size, check_tensors, gather, scatter
 
 
 def test_tensor_round_trip_uneven():
@@ -49,7 +49,7 @@ def test_a_stage_output_with_none_is_refused_where_it_is():
     """A stage that forgot to ``return`` (None), or returned None inside a structure, is named."""
     import pytest
     from rpcmp.errors import StageOutputError
-    from rpcmp.microbatch import check_tensors
+    from rpcmp.core.microbatch import check_tensors
     with pytest.raises(StageOutputError, match=r"the output of stage 1 is a NoneType"):
         check_tensors(None, "the output of stage 1")
     with pytest.raises(StageOutputError, match=r"the output of stage 1\[1\]\['mask'\] is a NoneType"):

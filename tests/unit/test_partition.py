@@ -5,7 +5,7 @@ from torch import nn
 
 import rpcmp
 from rpcmp.errors import PartitionError
-from rpcmp.partition import Split, build_stage, plan_stages
+from rpcmp.plan.partition import Split, build_stage, plan_stages
 
 
 def unet():
@@ -20,7 +20,7 @@ def job(**kw):
     return rpcmp.Job(**{"model": unet, "stages": ["encoder", "decoder", "segmentation_head"], **kw})
 
 
-SAMPLE = torch.randn(2, 1, 64, 64)  # names are checked against Unet.forward on a sample (rpcmp/chain.py)
+SAMPLE = torch.randn(2, 1, 64, 64)  # names are checked against Unet.forward on a sample (rpcmp/plan/chain.py)
 
 
 def test_names_build_the_unsplit_modules_and_compose_to_the_model():

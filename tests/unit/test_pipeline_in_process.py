@@ -10,9 +10,9 @@ import torch.distributed.rpc as rpc
 
 import rpcmp
 from helpers import assert_close_f32, batches, load, train_reference
-from rpcmp.runtime import _backend_options, free_port
-from rpcmp.trainer import fit
-from rpcmp.served import current, serve
+from rpcmp.launch.runtime import _backend_options, free_port
+from rpcmp.train.trainer import fit
+from rpcmp.core.served import current, serve
 
 _ON_MASTER = ["master", "master"]
 
@@ -116,12 +116,12 @@ def rpcmp_console():
 
 
 def _checkpoint_state(folder):
-    from rpcmp.checkpoint import load_checkpoint
+    from rpcmp.core.checkpoint import load_checkpoint
     return load_checkpoint(str(folder))["model"]
 
 
 def test_a_stage_merges_its_micro_batches_in_order_and_averages_once(job):
-    """rpcmp.reduce.StepReduce alone (a gloo group of this one process): micro-batches whose backward
+    """rpcmp.owner.reduce.StepReduce alone (a gloo group of this one process): micro-batches whose backward
     leaves the stage out of order are merged in order, the all_reduce starts once, when all have left;
     a parameter no micro-batch used gets no gradient; a late word changes nothing; a failed step
     still takes part in its all_reduce; counts short of the copies are refused by name."""
@@ -129,7 +129,7 @@ def test_a_stage_merges_its_micro_batches_in_order_and_averages_once(job):
     import torch.distributed as dist
     import torch.distributed.autograd as dist_autograd
     from rpcmp.errors import StageError
-    from rpcmp.reduce import StepReduce
+    from rpcmp.owner.reduce import StepReduce
     lin, unused = torch.nn.Linear(3, 2), torch.nn.Parameter(torch.ones(2))
     params = {"fc.weight": lin.weight, "fc.bias": lin.bias, "gate": unused}
     xs = [torch.randn(4, 3) for _ in range(3)]

@@ -1,7 +1,7 @@
 import pytest
 
 from rpcmp.errors import PlacementError
-from rpcmp.placement import Place, resolve_placement
+from rpcmp.plan.placement import Place, resolve_placement
 
 
 def test_auto():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rpcmp.errors import NonFiniteLossError
-from rpcmp.policy import GradientPolicy, NonFinite
+from rpcmp.core.policy import GradientPolicy, NonFinite
 
 
 def test_stop_raises_before_the_update_and_says_what_to_do():

@@ -2,7 +2,7 @@
 import numpy as np
 import torch
 
-from rpcmp.predict import panel
+from rpcmp.train.predict import panel
 
 
 def test_binary_panel_shows_input_truth_and_thresholded_prediction():

@@ -6,7 +6,7 @@ import threading
 import torch
 from torch import nn
 
-from rpcmp.recompute import Recomputed, make_recomputable
+from rpcmp.owner.recompute import Recomputed, make_recomputable
 
 
 def _stage():

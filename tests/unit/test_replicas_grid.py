@@ -6,8 +6,13 @@ import torch
 
 import rpcmp
 from rpcmp.errors import JobError, PlacementError
-from rpcmp.placement import Place
-from rpcmp.replicas import ReplicaSync, grid_placement, shard, unshard
+from rpcmp.plan.placement import Place
+from rpcmp.master.replicas import ReplicaSync, shard, unshard
+from rpcmp.plan.topology import Topology
+
+
+def _grid(job, world_size, nodes=None):
+    return [list(row) for row in Topology.of(job, world_size, nodes=nodes).grid]
 
 
 def _job(**kw):
@@ -16,12 +21,12 @@ def _job(**kw):
 
 
 def test_auto_keeps_a_stages_copies_on_consecutive_ranks_and_a_copys_stages_apart():
-    grid = grid_placement(_job(replicas=2), world_size=5)
+    grid = _grid(_job(replicas=2), world_size=5)
     assert [[p.process for p in row] for row in grid] == [["worker1", "worker3"], ["worker2", "worker4"]]
-    grid = grid_placement(_job(replicas=2), world_size=4)  # exactly R x S: the master holds a copy
+    grid = _grid(_job(replicas=2), world_size=4)  # exactly R x S: the master holds a copy
     assert [[p.process for p in row] for row in grid] == [["master", "worker2"], ["worker1", "worker3"]]
     with pytest.raises(PlacementError, match=r"2 replicas x 2 stages need 4 processes \(or 5: .*got 3"):
-        grid_placement(_job(replicas=2), world_size=3)
+        _grid(_job(replicas=2), world_size=3)
 
 
 def test_auto_keeps_a_stages_copies_on_one_node_and_a_copys_stages_on_other_nodes():
@@ -30,23 +35,23 @@ def test_auto_keeps_a_stages_copies_on_one_node_and_a_copys_stages_on_other_node
     # torchrun --nnodes 3 --nproc-per-node 2: the master (rank 0) holds no stage; by rank, stage 0's copies
     # would be ranks 1 and 2, on two nodes
     by_node = [f"node {q // 2}" for q in range(6)]
-    assert names(grid_placement(_job(replicas=2), 6, nodes=by_node)) == [["worker2", "worker4"], ["worker3", "worker5"]]
+    assert names(_grid(_job(replicas=2), 6, nodes=by_node)) == [["worker2", "worker4"], ["worker3", "worker5"]]
     # two nodes of 4: each stage's copies on one node, the two stages on the two nodes
     two = ["a"] * 4 + ["b"] * 4
-    assert names(grid_placement(_job(replicas=2), 8, nodes=two)) == [["worker1", "worker4"], ["worker2", "worker5"]]
+    assert names(_grid(_job(replicas=2), 8, nodes=two)) == [["worker1", "worker4"], ["worker2", "worker5"]]
     # a node per process (no node has 2): by rank, as on one node
-    assert names(grid_placement(_job(replicas=2), 5, nodes=list("abcde"))) == names(grid_placement(_job(replicas=2), 5))
+    assert names(_grid(_job(replicas=2), 5, nodes=list("abcde"))) == names(_grid(_job(replicas=2), 5))
 
 
 def test_an_explicit_grid_is_listed_copy_by_copy_and_copies_of_a_stage_need_their_own_processes():
     job = _job(replicas=2, placement=["worker1/cpu", "worker2/cpu", "worker3/cpu", "worker4/cpu"])
-    assert grid_placement(job, 5) == [[Place("worker1"), Place("worker2")], [Place("worker3"), Place("worker4")]]
+    assert _grid(job, 5) == [[Place("worker1"), Place("worker2")], [Place("worker3"), Place("worker4")]]
     with pytest.raises(PlacementError, match="4 'process/device' entries"):
-        grid_placement(_job(replicas=2, placement=["worker1", "worker2"]), 5)
+        _grid(_job(replicas=2, placement=["worker1", "worker2"]), 5)
     with pytest.raises(PlacementError, match=r"the 2 copies of stage 0 must be on 2 different processes.*'worker1', 'worker1'"):
-        grid_placement(_job(replicas=2, placement=["worker1", "worker2", "worker1", "worker3"]), 5)
+        _grid(_job(replicas=2, placement=["worker1", "worker2", "worker1", "worker3"]), 5)
     with pytest.raises(PlacementError, match=r"copies of stage 1 are on \['worker2/cpu', 'worker4/cuda:0'\]: put them all on CUDA"):
-        grid_placement(_job(replicas=2, placement=["worker1", "worker2", "worker3", "worker4/cuda:0"]), 5)
+        _grid(_job(replicas=2, placement=["worker1", "worker2", "worker3", "worker4/cuda:0"]), 5)
 
 
 def test_shares_are_what_distributed_samplers_hand_out_and_weave_back_in_order():

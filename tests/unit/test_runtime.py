@@ -1,7 +1,7 @@
 """How many threads a process takes: the cores it may use, not the machine's."""
 import os
 
-from rpcmp import runtime
+from rpcmp.launch import runtime
 
 
 def _cgroup_v2(tmp_path, cpu_max):

@@ -1,7 +1,7 @@
 """Each schedule's plan, without processes."""
 import pytest
 
-from rpcmp.schedule import SCHEDULES, make_plan
+from rpcmp.plan.schedule import SCHEDULES, make_plan
 
 
 def test_gpipe_is_one_context_and_one_loss_on_the_gathered_batch():

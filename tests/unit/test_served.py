@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from rpcmp.hparams import StageFields
-from rpcmp.served import Awaited, RunStatus, current, serve
+from rpcmp.core.hparams import StageFields
+from rpcmp.core.served import Awaited, RunStatus, current, serve
 
 
 def test_an_awaited_output_is_settled_once_from_another_thread_and_a_dropped_one_is_thrown_away():

@@ -7,8 +7,8 @@ from torch import nn
 import rpcmp
 from helpers import load
 from rpcmp.errors import PartitionError
-from rpcmp.partition import build_stage, plan_stages
-from rpcmp.traced import run_stages
+from rpcmp.plan.partition import build_stage, plan_stages
+from rpcmp.plan.traced import run_stages
 
 
 Classifier = load("traced_classifier").model  # forward is fc2(F.relu(fc1(x)))

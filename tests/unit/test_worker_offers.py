@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from rpcmp.runtime import free_port
-from rpcmp.worker import OfferError, _accept, _answer, parse_offer
+from rpcmp.launch.runtime import free_port
+from rpcmp.launch.daemon import OfferError, _accept, _answer, parse_offer
 
 JOB_ID = "0123456789abcdef"
 
@@ -56,7 +56,7 @@ def test_only_a_master_that_holds_the_token_gets_the_daemon_to_write_the_files(t
     server, store, theirs = _stores()
     raw = _offer()
 
-    def master():  # answers the daemon's challenge, as rpcmp.worker.publish_job does
+    def master():  # answers the daemon's challenge, as rpcmp.launch.daemon.publish_job does
         theirs.wait([f"{JOB_ID}/challenge/1"], timedelta(seconds=10))
         challenge = theirs.get(f"{JOB_ID}/challenge/1").decode()
         theirs.set(f"{JOB_ID}/response/1", _answer(master_token, challenge, raw))

@@ -1,0 +1,376 @@
+"""The ``rpcmp`` command line: ``run``, ``predict``, ``plan``, ``worker``, ``doctor``.
+
+    rpcmp run examples/unet_split/job.py --local 3      # one machine, 3 processes
+    rpcmp predict examples/unet_split/job.py -c runs/unet
+    rpcmp plan examples/unet_split/job.py --world-size 3
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..errors import RpcmpError
+
+__all__ = ["main", "job_options"]
+
+
+def job_options(fn):
+    """Settings that override the job file's, shared by ``rpcmp run`` and ``python -m rpcmp.master``."""
+    options = [
+        click.option("--microbatches", "-m", type=int, help="Micro-batches per batch (Job.microbatches)."),
+        click.option("--batch-size", type=int, help="Samples per optimizer step (Job.batch_size)."),
+        click.option("--epochs", type=int, help="Passes over the training set (Job.epochs)."),
+        click.option("--max-steps", type=int, help="Stop after this many optimizer steps (Job.max_steps)."),
+        click.option("--threads", type=int, help="Intra-op threads per process (default: cores / processes)."),
+        click.option("--transport", type=click.Choice(["uv", "shm"]), help="TensorPipe transport (default uv)."),
+        click.option("--mode", type=click.Choice(["pipeline", "ddp"]), help="Stages over processes, or DDP."),
+        click.option("--replicas", type=int, help="Pipeline mode: copies of the pipeline, data parallel (Job.replicas)."),
+        click.option("--accumulate", type=int, help="Batches per optimizer step (gradient accumulation)."),
+        click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="Autocast dtype (fp16 adds loss scaling)."),
+        click.option("--sync-batchnorm", is_flag=True, default=None, help="DDP mode: SyncBatchNorm."),
+        click.option("--batchnorm", type=click.Choice(["batch", "micro"]),
+                     help="BatchNorm statistics of the whole batch (exact) or of each micro-batch (pipelined)."),
+        click.option("--recompute", is_flag=True, default=None,
+                     help="Activation checkpointing per stage: less memory, one more forward per micro-batch."),
+        click.option("--schedule", type=click.Choice(["overlap", "1f1b", "gpipe"]), help="Micro-batch schedule."),
+        click.option("--trace", "trace_file", type=click.Path(dir_okay=False),
+                     help="Pipeline mode: write a Chrome-trace timeline of steps 2-4 here."),
+        click.option("--metrics", "metrics_file", type=click.Path(dir_okay=False), help="Write JSON-lines metrics here."),
+        click.option("--checkpoint-dir", type=click.Path(file_okay=False), help="Write checkpoints here."),
+        click.option("--checkpoint-every", type=int, help="Steps between checkpoints (0: every epoch)."),
+        click.option("--resume", is_flag=True, default=None, help="Continue from the latest checkpoint."),
+        click.option("--init-from", type=click.Path(dir_okay=False),
+                     help="Initial values from a state_dict file; each owner reads its own keys (Job.init_from)."),
+        click.option("--hang-timeout", type=float, help="Seconds a silent worker may take before the job ends."),
+        click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE)."),
+        click.option("--connect-timeout", type=float, envvar="RPCMP_CONNECT_TIMEOUT",
+                     help="Seconds a worker waits for the master to be reachable (default 60)."),
+        click.option("--debug", is_flag=True, help="On a stage's failure, print every frame (RPC and rpcmp too)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+
+    @functools.wraps(fn)
+    def wrapper(**kw):
+        keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
+                "mode", "replicas", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
+                "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "metrics_file", "trace_file")
+        for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
+            value = kw.pop(opt, None)
+            if value is not None:
+                os.environ[env] = str(value)
+        kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
+        for k in keys:
+            kw.pop(k, None)
+        debug = kw.pop("debug", False)
+        try:
+            return fn(**kw)
+        except RpcmpError as exc:
+            report(exc, debug)
+            sys.exit(exit_code(exc))
+    return wrapper
+
+
+def report(exc: RpcmpError, debug: bool = False) -> None:
+    """The one error report: ``error: Type: message`` on one line, then for a stage's failure its
+    own traceback (the user's frames; every frame with ``--debug``) and the training step."""
+    console = Console(stderr=True)
+    console.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}", highlight=False, soft_wrap=True)
+    trace = getattr(exc, "full_traceback" if debug else "details", "")
+    if trace:
+        console.print(escape(trace.rstrip("\n")), highlight=False, soft_wrap=True, style="dim")
+    if getattr(exc, "step", None):
+        console.print(f"(during training step {exc.step})", highlight=False, style="dim")
+
+
+def exit_code(exc: RpcmpError) -> int:
+    """2 for a mistake in the input (a ValueError: the job, the declaration, a checkpoint of another
+    model), 1 for a run that failed (a stage, a lost worker, a checkpoint that could not be written)."""
+    return 2 if isinstance(exc, ValueError) else 1
+
+
+@click.group()
+@click.version_option(package_name="rpcmp")
+def main():
+    """rpcmp: train a model split into stages across processes and nodes over RPC."""
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--local", "nprocs", type=int, help="Start this many processes on this machine (master + workers).")
+@click.option("--workers", type=int, help="Use this many worker daemons (`rpcmp worker`) instead.")
+@click.option("--listen", default="127.0.0.1:29500", show_default=True,
+              help="With --workers: HOST:PORT the master listens on (RPC on PORT, job offers on PORT+1).")
+@click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="With --workers: the shared job token.")
+@job_options
+def run(job_file, nprocs, workers, listen, token_file, overrides):
+    """Train JOB_FILE on --local N processes, or on --workers N daemons."""
+    from ..launch.local import launch_local
+    from ..launch.runtime import run_rank
+    from ..train.trainer import fit
+    if (nprocs is None) == (workers is None):
+        raise click.BadParameter("give exactly one of --local N (processes here) or --workers N (daemons)")
+    if workers is not None:
+        from ..launch.network import select_interface
+        from ..launch.daemon import publish_job, read_token
+        select_interface()
+        host, _, port = listen.rpartition(":")
+        timeout = float(os.environ.get("RPCMP_CONNECT_TIMEOUT", "60"))
+        store = publish_job(job_file, workers, host, int(port), read_token(None, token_file), overrides, timeout)
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
+        run_rank(job_file, 0, workers + 1, fit, overrides, local_procs=1)
+        del store
+        return
+    if nprocs < 2:
+        raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
+    launch_local(job_file, nprocs, fit, overrides=overrides)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--checkpoint", "-c", required=True, type=click.Path(),
+              help="A checkpoint file, or a checkpoint directory (its latest checkpoint).")
+@click.option("--out", default="predictions", show_default=True, type=click.Path(file_okay=False),
+              help="Where predictions.pt and the PNG panels go.")
+@click.option("--images", default=4, show_default=True, help="PNG panels (input | truth | prediction) to write.")
+@click.option("--local", "nprocs", type=int,
+              help="Predict through the job's stages on this many processes (default: the unsplit model, here).")
+@job_options
+def predict(job_file, checkpoint, out, images, nprocs, overrides):
+    """Predict JOB_FILE's held-out set with a trained checkpoint."""
+    from ..train.predict import predict_local, predict_split
+    if nprocs is None:
+        from ..job import load_job
+        result = predict_local(load_job(job_file, overrides=overrides), checkpoint, out, images)
+    else:
+        if nprocs < 2:
+            raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
+        from ..launch.local import launch_local
+        result = launch_local(job_file, nprocs, functools.partial(predict_split, checkpoint=checkpoint, out_dir=out,
+                                                                  images=images), overrides=overrides)
+    console = Console()
+    console.print(f"{result['samples']} samples of the {result['dataset']} set predicted with {result['checkpoint']}")
+    if result["metric"] is not None:
+        console.print(f"{result['metric_name']}: [bold]{result['metric']:.4f}[/]")
+    console.print(f"outputs: {result['predictions']}" + (f"; {len(result['images'])} PNG panels "
+                  f"(input | truth | prediction) in {out}" if result["images"] else ""))
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path())
+@click.argument("out", type=click.Path(dir_okay=False))
+def export(checkpoint, out):
+    """Write CHECKPOINT's model (a file, or a folder's latest) as one plain state_dict file OUT.
+
+    OUT loads into the unsplit model with ``model.load_state_dict(torch.load(OUT), strict=True)``.
+    The checkpoint's parts are read memory-mapped and written key by key: no process holds the
+    model in its own memory."""
+    from ..core.checkpoint import export_model
+    path, keys, size = export_model(checkpoint, out)
+    Console().print(f"wrote {out}: {keys} tensors, {_mib(size)}, the model of {path}")
+
+
+@main.command()
+@click.option("--master", required=True, help="HOST:PORT of the master (`rpcmp run --workers N --listen HOST:PORT`).")
+@click.option("--rank", type=int, required=True, help="This daemon's rank (1..N).")
+@click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="The shared job token (or env RPCMP_TOKEN).")
+@click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE).")
+def worker(master, rank, token_file, iface):
+    """Run a worker daemon: serve jobs from MASTER one after another, until SIGTERM."""
+    from ..launch.network import select_interface
+    from ..launch.daemon import read_token, serve_forever
+    try:
+        select_interface(iface)
+        serve_forever(master, rank, read_token(None, token_file))
+    except RpcmpError as exc:
+        report(exc)
+        sys.exit(2)
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--world-size", "-n", type=int, default=None,
+              help="Processes the job will run on (default: stages + 1).")
+@click.option("--nproc-per-node", type=int, default=None,
+              help="With --replicas: processes per node (torchrun's), to show the grid by node.")
+@click.option("--check", is_flag=True,
+              help="Also build the unsplit model and every stage here and compare them on one batch: every tensor "
+                   "by name, and the output (needs memory for the whole model, twice).")
+@job_options
+def plan(job_file, world_size, nproc_per_node, check, overrides):
+    """Print how JOB_FILE is cut into stages and placed, and its schedule's plan, without starting any process."""
+    import torch
+    from ..job import load_job
+    from ..core.microbatch import tensors
+    from ..plan.partition import build_stage, plan_stages
+    from ..plan.topology import Topology
+    from ..data import first_batch, needs_sample
+    from ..core.microbatch import scatter
+    job = load_job(job_file, overrides=overrides)
+    batch = first_batch(job)
+    specs = plan_stages(job, batch if needs_sample(job) else None)
+    flow = scatter(batch, job.microbatches)[0] if batch is not None else None  # one micro-batch, through the stages
+    world_size = world_size or job.replicas * len(specs) + 1
+    nodes = [f"node {q // nproc_per_node}" for q in range(world_size)] if nproc_per_node else None
+    topology = Topology.of(job, world_size, len(specs), nodes)
+    grid = topology.grid if topology.replicated else None
+    places = topology.grid[0]
+    cls, kwargs = job.optimizer
+    states = _optimizer_states(cls, kwargs)
+    table = Table(title=f"{job_file}: {len(specs)} stages on {world_size} processes, "
+                        f"{job.microbatches} micro-batches of a {job.batch_size}-sample batch")
+    for col in ("stage", "modules", "ops", "parameters", "est. memory", "out / micro-batch", "placement"):
+        table.add_column(col, justify="left" if col in ("stage", "modules", "ops", "placement") else "right")
+    total, mail, bn = 0, {}, False
+    for spec, place in zip(specs, places):
+        module = build_stage(job, spec, meta=True)  # structure and shapes only: nothing is allocated
+        bn = bn or spec.has_bn or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+        n = sum(p.numel() for p in module.parameters())
+        bytes_ = sum(p.numel() * p.element_size() * (2 + states) for p in module.parameters())
+        bytes_ += sum(b.numel() * b.element_size() for b in module.buffers())
+        total += n
+        route = module.__dict__.get("forward")  # a traced stage's: values come and go by post too
+        flow = _on_meta(module, (flow, mail.pop(spec.index, {})) if route is not None and route.mail_in else flow)
+        sent = flow
+        if flow is not None and route is not None and route.posts:
+            flow, posts = flow
+            for j, values in posts.items():
+                mail.setdefault(j, {}).update(values)
+        crosses = "?" if sent is None else _mib(sum(t.numel() * t.element_size() for t in tensors(sent)))
+        table.add_row(str(spec.index), spec.name, _ops(module), f"{n:,}", _mib(bytes_), crosses, str(place))
+    table.caption = (f"{total:,} parameters; memory = weights + gradients + {states} optimizer "
+                     f"state(s) per parameter ({cls.__name__}) + buffers, activations excluded; out / micro-batch: "
+                     f"what the stage sends on (its gradient comes back the same size), shapes from the meta device")
+    console = Console()
+    Console(width=max(console.width, 140)).print(table)  # a piped plan keeps whole stage names
+    if grid:
+        Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid, nodes))
+    Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch"))
+    for line in _model_notes(specs):
+        console.print(line)
+    if check and not _check(job, specs, batch):
+        sys.exit(1)
+
+
+def _model_notes(specs) -> list[str]:
+    """What is shared by stages, kept without being read, and which input sizes may change."""
+    from ..master.tied import describe
+    lines = [f"shared: {line}" for line in describe(specs)]
+    lines += [f"kept on stage {s.index} (no graph reads them): {', '.join(s.unused)}" for s in specs if s.unused]
+    if specs and specs[0].kind == "traced":
+        from ..plan.lengths import describe_sizes
+        lines.append(f"inputs: {describe_sizes(specs[0].sizes, specs[0].example)}")
+    return lines
+
+
+def _check(job, specs, batch) -> bool:
+    """``rpcmp plan --check``: print the comparison; True if the stages are the unsplit model."""
+    from .check import check_stages
+    checks, diff, why = check_stages(job, specs, batch)
+    table = Table(title="the stages against the unsplit model (eval mode, one micro-batch)")
+    for col in ("stage", "tensors compared", "differences"):
+        table.add_column(col)
+    for c in checks:
+        table.add_row(f"{c.index} {c.name}", str(c.tensors), "\n".join(c.wrong[:6]) or "none")
+    console = Console(width=max(Console().width, 140))
+    console.print(table)
+    if why:
+        console.print(f"output: not compared ({why})")
+    else:
+        console.print(f"output: largest difference from the unsplit model's {diff:.3g}")
+    return not why and all(not c.wrong for c in checks) and diff <= 1e-4
+
+
+def _grid_table(job, specs, grid, nodes) -> Table:
+    """Which process (and node) holds each copy of each stage (``Job(replicas=R)``)."""
+    table = Table(title=f"{job.replicas} replicas x {len(specs)} stages: each replica trains on "
+                        f"{job.batch_size // job.replicas} samples of every {job.batch_size}-sample batch")
+    table.add_column("replica")
+    for spec in specs:
+        table.add_column(f"stage {spec.index} {spec.name}")
+    for r, row in enumerate(grid):
+        table.add_row(str(r), *(f"{p} ({nodes[p.rank]})" if nodes else str(p) for p in row))
+    table.caption = ("the copies of a stage (a column) average their gradients in one process group every step; "
+                     "under torchrun the grid follows the nodes the ranks report" + ("" if nodes else
+                     " (--nproc-per-node K shows it)"))
+    return table
+
+
+def _schedule_table(job, stages: int, whole_batch: bool) -> Table:
+    """The schedule's plan for one optimizer step (``--schedule S -m M`` to see another)."""
+    from ..plan.schedule import make_plan
+    step = make_plan(job.schedule, 1 if whole_batch else job.microbatches, stages)
+    table = Table(title=f"schedule {step.name!r}: one step of {step.microbatches} micro-batches over {stages} stages")
+    for col in ("micro-batch", "enters", "backward", "gradients"):
+        table.add_column(col)
+    for row in step.rows():
+        table.add_row(*row)
+    loss = "on the gathered batch" if step.loss == "gathered" else "per micro-batch, weighted by its share"
+    table.caption = (f"distributed-autograd context per {step.context}; loss {loss}; "
+                     f"at most {step.in_flight} micro-batches hold activations on a stage"
+                     + ("; the model has BatchNorm, so each training batch runs as 1 micro-batch (Job.batchnorm='batch'; "
+                        "'micro' pipelines M with per-micro-batch statistics)" if whole_batch else ""))
+    return table
+
+
+@main.command()
+@click.option("--master", help="HOST:PORT of the master (or rendezvous) to check reachability.")
+@click.option("--iface", envvar="RPCMP_IFACE", help="The interface rpcmp should use (env RPCMP_IFACE).")
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes the job will span.")
+def doctor(master, iface, nodes):
+    """Check this node before a job: interfaces, hostname, master port, backends, GPUs."""
+    from ..launch.doctor import diagnose, render
+    sys.exit(0 if render(diagnose(master, iface, nodes), Console(width=160)) else 1)
+
+
+def _on_meta(module, x):
+    """The stage's output for input ``x``, computed on the meta device (shapes and dtypes, no data); None if unknown."""
+    import torch
+    from ..core.microbatch import map_tensors
+    if x is None:
+        return None
+    try:
+        with torch.no_grad():
+            # sizes (0-dim tensors a traced stage turns into ints) keep their values
+            return module.eval().to("meta")(map_tensors(x, lambda t: t.to("meta") if t.dim() else t))
+    except Exception:  # noqa: BLE001 - an op without a meta kernel: the size stays unknown
+        return None
+
+
+def _ops(module, top: int = 6) -> str:
+    """What a stage computes, most frequent first: the operations of a traced stage's graph (into
+    its submodules), or the layer types of a stage of modules."""
+    import collections
+    import torch
+
+    def walk(m) -> list[str]:
+        graph = getattr(m, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            return [type(leaf).__name__ for leaf in m.modules() if not list(leaf.children())]
+        found = []
+        for n in graph.nodes:
+            if n.op == "call_module":
+                found += walk(m.get_submodule(n.target))
+            elif n.op == "call_function" and "getitem" not in str(n.target):
+                found.append(str(getattr(n.target, "__name__", n.target)).split(".")[0])
+        return found
+    counts = collections.Counter(walk(module)).most_common()
+    text = ", ".join(f"{name} x{count}" for name, count in counts[:top])
+    return text + (f", +{len(counts) - top} more kinds" if len(counts) > top else "")
+
+
+def _optimizer_states(cls, kwargs) -> int:
+    name = cls.__name__.lower()
+    if "adam" in name:
+        return 2
+    return 1 if kwargs.get("momentum") else 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 or n == 0 else f"{n / 2**10:.1f} KiB"

@@ -1,0 +1,166 @@
+"""Failure detection with a bound, and errors that say which worker, stage and step.
+
+A worker that dies is noticed by the transport at once (its connections close) and the
+master's pending call fails; :func:`explain` then pings every owner to name the one
+that is gone. A worker that hangs (SIGSTOP, a deadlock, a swapped-out node) answers
+nothing and closes nothing: the :class:`Watchdog` pings every worker each second and,
+when one has not answered for ``Job.hang_timeout`` seconds, prints what happened and
+ends the master with exit code 3 (the launcher or torchrun then stops the others).
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+import threading
+import time
+
+import torch.distributed.rpc as rpc
+
+from ..errors import StageError, WorkerLostError
+from .served import RunStatus
+
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained"]
+
+
+def _ping() -> int:
+    return os.getpid()
+
+
+def unresponsive(processes, timeout: float) -> list[str]:
+    futs = {p: rpc.rpc_async(p, _ping, timeout=timeout) for p in processes}
+    bad = []
+    for p, fut in futs.items():
+        try:
+            fut.wait()
+        except Exception:  # noqa: BLE001 - any failure to answer is the finding
+            bad.append(p)
+    return bad
+
+
+def explain(exc: BaseException, processes, status: RunStatus, timeout: float = 3.0) -> BaseException:
+    """Turn a transport error into a :class:`WorkerLostError` naming the lost workers and what
+    ``status`` says the run was doing."""
+    if isinstance(exc, StageError) and not isinstance(exc, WorkerLostError):
+        exc.step = status.step  # shown after the stage's traceback (rpcmp.cli.commands.report)
+        return exc
+    try:
+        lost = unresponsive([p for p in processes if p != rpc.get_worker_info().name], timeout)
+    except Exception:  # noqa: BLE001 - the agent itself may be going down
+        lost = []
+    if not lost:
+        return exc
+    return WorkerLostError(status.describe(lost, f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
+
+
+@contextlib.contextmanager
+def explained(explain):
+    """Re-raise a failure in the block as ``explain(exc)`` names it (a :class:`WorkerLostError`
+    for a lost worker), or as it was: wherever the loss is noticed (a training step, a held-out
+    evaluation, a checkpoint save, a prediction), the error names the worker and the step or task."""
+    try:
+        yield
+    except Exception as exc:
+        better = explain(exc)
+        if better is exc:
+            raise
+        raise better from exc
+
+
+class Watchdog(threading.Thread):
+    """Ping every worker; end the master if one stays silent for ``timeout`` seconds."""
+
+    def __init__(self, workers: list[str], timeout: float, status: RunStatus, interval: float = 1.0):
+        super().__init__(daemon=True, name="rpcmp-watchdog")
+        self.workers, self.timeout, self.status, self.interval = workers, timeout, status, interval
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            lost = unresponsive(self.workers, self.timeout)
+            if lost and not self._halt.is_set():
+                print("rpcmp: error: WorkerLostError: " + self.status.describe(
+                    lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
+                    file=sys.stderr, flush=True)
+                for child in multiprocessing.active_children():  # local workers, even stopped ones
+                    child.kill()
+                os._exit(3)
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+class Heartbeats(threading.Thread):
+    """DDP mode has no RPC to ping with: every rank counts its beats in the rendezvous store
+    each second, and rank 0 ends the job when one has been silent for ``timeout`` seconds.
+    After a collective fails, :meth:`explain` names the ranks that went silent.
+
+    [Note: heartbeats without wall clocks]
+    A beat is a counter, not a time stamp: each rank notes, on its own monotonic clock,
+    when it last saw another rank's counter move. Stamps of ``time.time()`` compared
+    across nodes made a clock skew above ``hang_timeout`` end a healthy job. A store
+    error does not end the thread: it is said once and the beats go on when the store
+    answers again."""
+
+    def __init__(self, rank: int, world_size: int, timeout: float, store, status: RunStatus, interval: float = 1.0):
+        super().__init__(daemon=True, name="rpcmp-heartbeats")
+        self.rank, self.world, self.timeout, self.store, self.interval = rank, world_size, timeout, store, interval
+        self.status = status
+        self._halt = threading.Event()
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its count, when it last moved, monotonic)
+        self.store_errors = 0
+        status.stages = {f"worker{r}" if r else "master": ["DDP replica"] for r in range(world_size)}
+
+    def _beat(self) -> None:
+        self.store.add(f"rpcmp/hb/{self.rank}", 1)
+
+    def silent(self, limit: float, ranks=None) -> list[int]:
+        """The ranks (other than this one) whose count has not moved for ``limit`` seconds."""
+        now, out = time.monotonic(), []
+        for r in (range(self.world) if ranks is None else ranks):
+            if r == self.rank:
+                continue
+            count = self.store.add(f"rpcmp/hb/{r}", 0)
+            seen, since = self._seen.get(r, (None, now))
+            if count != seen:
+                self._seen[r] = (count, now)
+            elif now - since > limit:
+                out.append(r)
+        return out
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                self._beat()
+                lost = self.silent(self.timeout) if self.rank == 0 and self.timeout else []
+            except Exception as exc:  # noqa: BLE001 - said once; the beats resume when the store answers
+                self.store_errors += 1
+                if self.store_errors == 1 and not self._halt.is_set():
+                    print(f"rpcmp: warning: rank {self.rank}: the heartbeat store did not answer ({type(exc).__name__}: "
+                          f"{exc}); retrying every {self.interval:.0f}s", file=sys.stderr, flush=True)
+                continue
+            if lost and not self._halt.is_set():
+                names = [f"worker{r}" for r in lost]
+                print("rpcmp: error: WorkerLostError: " + self.status.describe(
+                    names, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
+                    file=sys.stderr, flush=True)
+                for child in multiprocessing.active_children():
+                    child.kill()
+                os._exit(3)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            try:
+                lost = self.silent(2.0)
+            except Exception:  # noqa: BLE001
+                break
+            if lost:
+                return WorkerLostError(self.status.describe([f"worker{r}" for r in lost],
+                                                f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
+            time.sleep(0.25)
+        return exc
+
+    def stop(self) -> None:
+        self._halt.set()

@@ -1,0 +1,128 @@
+"""What one process serves in a run, as one object: :class:`Served`, made by :mod:`rpcmp.launch.runtime`.
+
+[Note: one object per process]
+RPC calls a plain function by its module and name on the receiving process, so an
+endpoint (``rpcmp.owner.stage.forward``, ``rpcmp.master.inbox.deliver``) must find what it acts on
+from nothing but its arguments. That is the one place a process-wide reference is
+needed: :func:`current` returns the :class:`Served` object that :func:`serve` made when
+the process joined the run, and everything mutable lives on it (the stages this process
+hosts, the master's inbox, the outcome the master sent, a DDP rank's device and
+heartbeats, the pipeline counter) and on its :class:`RunStatus`. Nothing else in rpcmp
+keeps state in a module, so a second run in one process starts from a fresh object (the
+old one cannot leak stages or awaited outputs into it) and a unit test builds a
+``Served`` of its own. What the run is doing (:class:`RunStatus`: step, last checkpoint,
+stages, task) is handed to failure handling explicitly (:mod:`rpcmp.core.health`).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["RunStatus", "Awaited", "Served", "serve", "current"]
+
+
+@dataclass
+class RunStatus:
+    """What the run is doing, for the messages that name a lost worker (set by the pipeline,
+    the trainer and prediction; ``task``: what the run does if it is not training)."""
+
+    step: int = 0
+    checkpoint: str | None = None
+    stages: dict[str, list[str]] = field(default_factory=dict)  # process -> what it holds
+    task: str | None = None
+
+    def describe(self, lost: list[str], how: str) -> str:
+        """One sentence naming the ``lost`` processes, what they held, when, and what to do."""
+        who = ", ".join(f"{p} ({', '.join(self.stages.get(p, ['no stage']))})" for p in lost)
+        look = "Look at that process's log or node (killed? out of memory? network?)"
+        if self.task:
+            return f"{self.task}: {who} {how}. {look}"
+        ckpt = (f"The last checkpoint is {self.checkpoint}: rerun with --resume to continue from it"
+                if self.checkpoint else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
+        when = f"at step {self.step}" if self.step else "before the first step"
+        return f"{when}: {who} {how}. {look}. {ckpt}"
+
+
+class Awaited:
+    """Futures by key, each settled once, from whichever thread brings its value."""
+
+    def __init__(self):
+        self._futures: dict[Any, torch.futures.Future] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, key) -> torch.futures.Future:
+        out = torch.futures.Future()
+        with self._lock:
+            self._futures[key] = out
+        return out
+
+    def settle(self, key, value: Any) -> bool:
+        """Complete ``key``'s future with ``value`` (an exception fails it); False if none waits."""
+        with self._lock:
+            out = self._futures.pop(key, None)
+        if out is None:  # settled already (a later error in the answers back) or dropped
+            return False
+        if isinstance(value, Exception):
+            out.set_exception(value)
+        else:
+            out.set_result(value)
+        return True
+
+    def drop(self, keys) -> None:
+        """Stop waiting for ``keys``: their values, if they come, are thrown away."""
+        with self._lock:
+            for key in keys:
+                self._futures.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+
+class Served:
+    """Everything one process of a run holds across calls (see [Note: one object per process])."""
+
+    def __init__(self, job=None):
+        self.job = job  # the job this process imported (an owner builds its stages from it)
+        self.hosts: dict[tuple[int, int], Any] = {}  # (pipeline id, stage index) -> rpcmp.owner.stage.StageHost
+        self.build_lock = threading.Lock()  # the global RNG is per process: one stage build at a time
+        self.inbox = Awaited()  # the master's: outputs of the last stage by (pipeline id, seq); see rpcmp.master.inbox
+        self.status = RunStatus()
+        self.outcome: bool | None = None  # on a worker: whether the master said the run ended normally
+        self.device = None  # DDP mode: this rank's device
+        self.heartbeats = None  # DDP mode: this rank's rpcmp.core.health.Heartbeats
+        self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
+        self.nodes: list[str] | None = None  # Job(replicas=R): every rank's node, for the grid
+        self.topology = None  # the run's rpcmp.plan.topology.Topology, computed once at start
+        self._pipeline_ids = itertools.count()
+
+    def next_pipeline_id(self) -> int:
+        return next(self._pipeline_ids)
+
+    def host(self, pid: int, index: int):
+        """The stage ``index`` of pipeline ``pid`` that this process hosts."""
+        return self.hosts[(pid, index)]
+
+    def hosts_of(self, pid: int) -> list:
+        return [h for (p, _), h in self.hosts.items() if p == pid]
+
+
+_CURRENT: list[Served] = []  # the one process-wide slot: see [Note: one object per process]
+
+
+def serve(job=None) -> Served:
+    """Start serving a run in this process: a fresh :class:`Served` replaces any earlier one."""
+    served = Served(job)
+    _CURRENT[:] = [served]
+    return served
+
+
+def current() -> Served:
+    """The :class:`Served` of the run this process is part of (one is made on first use outside a
+    run, so that library code driven by hand, a notebook's Pipeline, still finds one)."""
+    if not _CURRENT:
+        serve()
+    return _CURRENT[0]

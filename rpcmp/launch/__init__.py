@@ -1,0 +1,1 @@
+"""Starting processes: the rank runtime, the local launcher, worker daemons, the network, the doctor."""

@@ -1,0 +1,267 @@
+"""Process roles and the RPC world: one place that starts and stops it.
+
+Every process runs :func:`run_rank`: it imports the job, sets its thread count,
+joins the TensorPipe RPC world as ``master`` (rank 0) or ``worker{rank}``, and then
+either drives (rank 0 calls ``main(pipeline_factory)``) or serves stages until the
+master shuts the world down. :func:`rpcmp.launch.local.launch_local` starts N such processes on
+this machine.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import sys
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.distributed.rpc as rpc
+
+from ..errors import RunAbortedError, StageError
+from ..errors import WorkerLostError
+from ..core.health import Watchdog
+from ..job import Job, load_job
+from .network import launch_store, preflight
+from ..plan.placement import device_maps_for, process_name
+from ..plan.topology import Topology
+from .groups import join_stage_groups, leave_stage_groups, share_nodes
+from ..core.served import current, serve
+
+__all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
+
+_SHUTDOWN_TIMEOUT = 30.0
+
+
+def _one_malloc_arena() -> None:
+    """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise (this
+    limits the arenas of the threads started from here on, in every kind of launch).
+
+    [Note: one malloc arena]
+    A stage process allocates from many threads: RPC threads receive activations and
+    gradients, the compute thread runs forwards, autograd threads run backwards and
+    recomputations. glibc gives each thread its own arena and keeps every arena's peak,
+    so a process's resident memory is the sum of the threads' high-water marks. One
+    arena lets them reuse each other's freed memory, at the same step time. ``mallopt`` from
+    here does as well as ``MALLOC_ARENA_MAX=1`` exported before the process started: the threads that allocate the activations all start after
+    this call (figures: benchmarks/PERFORMANCE.md, design measurements).
+    """
+    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def default_threads(local_procs: int) -> int:
+    """Intra-op threads per process: the cores this process may use, shared by the node's processes."""
+    return max(1, usable_cpus() // max(1, local_procs))
+
+
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may run on: its CPU affinity (SLURM's ``--cpus-per-task``, taskset),
+    capped by a cgroup CPU quota (containers, Kubernetes limits), not the machine's core count."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota(cgroup_root)
+    return max(1, min(cpus, math.ceil(quota))) if quota else max(1, cpus)
+
+
+def _cgroup_quota(root: str) -> float | None:
+    """The CPU quota of this process's cgroup, in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), or None."""
+    try:
+        own = [line.split(":", 2) for line in open("/proc/self/cgroup").read().splitlines()]
+    except OSError:
+        own = []
+    v2 = next((path for hid, _, path in own if hid == "0"), "/")
+    v1 = next((path for _, ctrl, path in own if "cpu" in ctrl.split(",")), "/")
+    for folder in (os.path.join(root, v2.lstrip("/")), root):
+        try:
+            quota, period = open(os.path.join(folder, "cpu.max")).read().split()
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            pass
+    for folder in (os.path.join(root, "cpu", v1.lstrip("/")), os.path.join(root, "cpu")):
+        try:
+            quota = int(open(os.path.join(folder, "cpu.cfs_quota_us")).read())
+            period = int(open(os.path.join(folder, "cpu.cfs_period_us")).read())
+            return None if quota <= 0 else quota / period
+        except (OSError, ValueError):
+            pass
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _quiet() -> None:
+    # DistributedOptimizer's functional optimizers warn on every construction with a forced
+    # "always" filter (torch/distributed/optim/_deprecation_warning.py); drop just that line.
+    show = warnings.showwarning
+    if getattr(show, "_rpcmp", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "support for functional optimizers is deprecated" not in str(message):
+            show(message, category, filename, lineno, file, line)
+
+    showwarning._rpcmp = True
+    warnings.showwarning = showwarning
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    warnings.filterwarnings("ignore", message=".*Creating the optimizer.*")
+
+
+def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptions:
+    # Threads: each in-flight micro-batch may hold one RPC thread per stage while it waits its turn.
+    threads = max(16, 4 * job.microbatches + 8)
+    return rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=threads,
+        rpc_timeout=job.rpc_timeout,
+        _transports=[job.transport],
+        # "basic" moves tensor bytes over the transport itself; measured against "cma" and
+        # "mpt_uv" on the 2-stage MLP it was as fast or faster, and it works across nodes.
+        _channels=["basic"],
+    )
+
+
+def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int], Any] | None = None,
+             overrides: dict | None = None, local_procs: int | None = None) -> Any:
+    """Run one process of a job and return ``main(job, world_size)``'s result on rank 0.
+
+    Pipeline mode: rank 0 calls ``main``, the other ranks serve stages. DDP mode: every
+    rank calls ``main``.
+
+    ``MASTER_ADDR`` / ``MASTER_PORT`` must be set (torchrun and :func:`launch_local` do).
+    """
+    _quiet()
+    _one_malloc_arena()
+    job = load_job(job_path, overrides=overrides)
+    preflight(rank, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
+    local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(job.threads or default_threads(local))
+    _agree_on_attempt(world_size)
+    served = serve(job)  # what this process serves, fresh for this run: see [Note: one object per process]
+    if job.mode == "ddp":
+        return _run_ddp_rank(job, rank, world_size, main)
+    _fresh_store_prefix()
+    options = _backend_options(job, world_size)
+    if Topology.needs_nodes(job):  # the grid follows the nodes: see [Note: replicas of a pipeline]
+        served.nodes = share_nodes(rank, world_size, timeout=max(60.0, job.rpc_timeout))
+    topology = served.topology = Topology.of(job, world_size, nodes=served.nodes)  # [Note: one topology per run]
+    if job.device_maps:
+        for places in topology.grid:
+            for peer, mapping in device_maps_for(places, process_name(rank)).items():
+                options.set_device_map(peer, mapping)
+    rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    result, error, watchdog = None, None, None
+    try:
+        if topology.replicated:
+            join_stage_groups(topology, rank, job.hang_timeout, served)  # see [Note: replicas of a pipeline]
+        if rank == 0 and main is not None:
+            if world_size > 1 and job.hang_timeout:
+                watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout, served.status)
+                watchdog.start()
+            result = main(job, world_size)
+    except BaseException as exc:  # shut the world down, then re-raise
+        error = exc
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if rank == 0:
+            _tell_outcome([process_name(r) for r in range(1, world_size)], error is None)
+        # A stage's own failure leaves every process answering: leave as after success (no transport noise).
+        left = _shutdown(graceful=error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
+        leave_stage_groups(served)  # after the RPC world: a worker's stages average gradients until the master leaves
+    if error is not None:
+        raise error
+    # The master's word decides: a shutdown that fails after it said "ended normally" (the master
+    # left first and took the rendezvous store with it) is no failure of the job.
+    if rank != 0 and not served.outcome:
+        raise RunAbortedError(f"{process_name(rank)}: the master " + ("ended with an error (its log says which)" if left
+                              else "stopped answering before the job ended") + "; this rank exits 1")
+    return result
+
+
+# [Note: every rank says how the job ended]
+# A worker serves until the master shuts the world down; that shutdown succeeds after a
+# master's failure too (a stage error) or fails (the master died). Either way the worker
+# used to exit 0, and torchrun took its node for finished: under --max-restarts the
+# restarted master then waited for nodes that had gone home. The master now tells every
+# worker whether the run ended normally (rpcmp.core.served.Served.outcome); a worker that was not
+# told so exits 1.
+def _outcome(ok: bool) -> None:
+    served = current()
+    served.outcome = ok
+    # The rendezvous store of a run through worker daemons lives in the master's process: leave the
+    # stage groups while it is up (a destroy after the master left waited for it until killed).
+    leave_stage_groups(served)
+
+
+def _tell_outcome(workers: list[str], ok: bool) -> None:
+    futs = []
+    for w in workers:
+        try:
+            futs.append(rpc.rpc_async(w, _outcome, args=(ok,), timeout=5))
+        except Exception:  # noqa: BLE001 - a worker that is gone cannot be told
+            pass
+    for fut in futs:
+        try:
+            fut.wait()
+        except Exception:  # noqa: BLE001 - it then exits 1, as it should
+            pass
+
+
+def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
+    """DDP mode: no RPC; every rank runs ``main`` (the trainer) in one process group."""
+    from ..train.ddp import join, leave
+    join(rank, world_size, job.hang_timeout)
+    try:
+        result = main(job, world_size) if main is not None else None
+    finally:
+        leave()
+    return result if rank == 0 else None
+
+
+def _agree_on_attempt(world_size: int) -> None:
+    """[Note: one attempt number for every node]
+    Under torchrun, ``TORCHELASTIC_RESTART_COUNT`` numbers the store keys of each attempt
+    (``env://`` rendezvous: ``/worker/attempt_{n}``; rpcmp's RPC prefix below). But it is
+    per node: the node whose rank failed counts a restart, a node that restarts because the
+    membership changed does not. After rank 0 was killed, node 0 joined attempt 1 while the
+    others read attempt 0's keys, with the dead master's address in them, and failed with
+    "connection refused". The agent store outlives every attempt, so each process counts
+    itself in there once at start: the n-th process to arrive belongs to attempt
+    (n - 1) // world_size, the same number on every node (for a fixed world size).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # not under torchrun (launch_local and daemons: a fresh store per run)
+    arrived = launch_store(60).add("rpcmp/arrived", 1)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str((arrived - 1) // world_size)
+
+
+def _fresh_store_prefix() -> None:
+    """[Note: RPC after a torchrun restart]
+    init_rpc namespaces its store keys as ``rpc_prefix_{n}`` with n counting calls in this
+    process, so every fresh process uses ``rpc_prefix_0``. torchrun's agent store outlives
+    a restart (``--max-restarts``), so the restarted ranks read the dead ranks' addresses
+    and gloo fails with "connection refused". Starting the count at the restart number
+    gives each attempt keys of its own.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt and hasattr(rpc, "_init_counter"):
+        with rpc._init_counter_lock:
+            rpc._init_counter = max(rpc._init_counter, attempt * 1000)
+
+
+def _shutdown(graceful: bool) -> bool:
+    """Leave the RPC world; return whether every peer took part."""
+    try:
+        rpc.shutdown(graceful=graceful, timeout=_SHUTDOWN_TIMEOUT) if graceful else rpc.shutdown(graceful=False)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a peer already gone must not hang or mask the real error
+        print(f"rpcmp: RPC shutdown: {exc}", file=sys.stderr)
+        return False

@@ -1,0 +1,124 @@
+"""One optimizer step of any :class:`rpcmp.plan.schedule.Plan`, on the master.
+
+A plan with one context per step runs the whole batch's forward, one loss and one
+backward (:func:`_step_in_one_context`); a plan with a context per micro-batch drives each
+micro-batch from its own thread (:class:`_MicroBatches`): it enters when the plan says,
+its loss and backward start as soon as its output arrives, and its gradients are added
+into the first context's in the plan's merge order. See [Note: one context per
+micro-batch] in :mod:`rpcmp.master.pipeline` for why.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+
+from . import inbox
+from ..core.microbatch import batch_size, has_tensors, map_tensors, scatter
+from ..plan.schedule import Plan, make_plan
+from ..plan.lengths import check_sizes
+
+__all__ = ["run_step"]
+
+
+def run_step(pipe, schedule: str, x: Any, y: Any, chunks: int) -> torch.Tensor:
+    """One optimizer step of ``pipe`` on batch ``(x, y)`` in ``chunks`` micro-batches; the loss."""
+    check_sizes(pipe.specs[0].sizes, x)  # see [Note: any sequence length]
+    plan = make_plan(schedule, chunks, len(pipe.specs))  # scatter refuses a batch of fewer than ``chunks`` samples
+    if plan.context == "step":
+        return _step_in_one_context(pipe, x, y, plan)  # Pipeline.forward scatters
+    return _MicroBatches(pipe, plan, x, y).run()
+
+
+def _step_in_one_context(pipe, x: Any, y: Any, plan: Plan) -> torch.Tensor:
+    if pipe.optimizer is not None:
+        pipe.sync.begin(pipe, 0, 1, per_microbatch=False)
+    with dist_autograd.context() as ctx:
+        out = pipe.forward(x, grad=True, chunks=plan.microbatches)
+        loss = pipe.job.loss(out, y)
+        pipe._backward(ctx, loss)
+        pipe._apply_step(ctx, loss)
+    return loss.detach()
+
+
+class _MicroBatches:
+    """A step of a plan with one distributed-autograd context per micro-batch."""
+
+    def __init__(self, pipe, plan: Plan, x: Any, y: Any):
+        m = plan.microbatches
+        self.pipe, self.plan, self.xs, self.y, self.n = pipe, plan, scatter(x, m), y, batch_size(x)
+        self.ys = scatter(y, m) if has_tensors(y) else [y] * m
+        self.seqs = pipe._next_seqs(m)
+        self.ctx_ids, self.losses, self.errors = [0] * m, [None] * m, []
+        self.backward_done, self.stepped = threading.Barrier(m + 1), threading.Event()
+        self.merged = [threading.Event() for _ in range(m)]
+        self.outs = [None] * m if m > 1 and not pipe._loss_checked else None  # kept once, for _check_loss
+        order = [0] + [i for i, _ in plan.merges]
+        self.before = {i: order[k - 1] for k, i in enumerate(order) if k}  # merged after this one's merge
+        self.into = dict(plan.merges)
+
+    def run(self) -> torch.Tensor:
+        pipe = self.pipe
+        if pipe.optimizer is not None:
+            pipe.sync.begin(pipe, self.seqs[0], len(self.xs), per_microbatch=True)
+        futs = [pipe._micro_threads(len(self.xs)).submit(self._micro, i) for i in range(len(self.xs))]
+        try:
+            self.backward_done.wait()
+            pipe._apply_step(self.ctx_ids[0], torch.stack(self.losses).sum())
+        except threading.BrokenBarrierError:
+            pass
+        finally:
+            self.stepped.set()
+            for f in futs:
+                f.result()
+        if self.errors:
+            inbox.abandon(pipe.pid, self.seqs)
+            pipe._resync()
+            raise min(self.errors, key=lambda e: e[0])[1]  # the first micro-batch's failure, whichever thread saw one first
+        total = torch.stack(self.losses).sum()
+        if self.outs is not None:
+            pipe._check_loss(self.outs, self.y, total)
+        return total
+
+    def _micro(self, i: int) -> None:
+        try:
+            if self.plan.admit_after[i] is not None:  # 1f1b: at most S micro-batches in flight
+                self.merged[self.plan.admit_after[i]].wait()
+            with dist_autograd.context() as ctx:
+                self.ctx_ids[i] = ctx
+                self._forward_backward(i, ctx)
+                self._merge(i)
+                if i == 0:
+                    self.backward_done.wait()
+                    self.stepped.wait()  # the first context holds the sum until the optimizer has read it
+            if i > 0:
+                self.backward_done.wait()
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - re-raised by run()
+            self.errors.append((i, exc))
+            self.backward_done.abort()
+            for event in self.merged:
+                event.set()
+
+    def _forward_backward(self, i: int, ctx: int) -> None:
+        pipe = self.pipe
+        out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe._owners).wait()
+        out = pipe._fp32(out)
+        loss = pipe.job.loss(out, self.ys[i]) * (batch_size(self.xs[i]) / self.n)
+        if self.outs is not None:
+            self.outs[i] = map_tensors(out, torch.Tensor.detach)
+        pipe._backward(ctx, loss)
+        self.losses[i] = loss.detach()
+
+    def _merge(self, i: int) -> None:
+        """Add this context's gradients into the plan's target context, in the plan's order (so the
+        sums always add up alike), and let the context go."""
+        pipe = self.pipe
+        if i in self.into:
+            self.merged[self.before[i]].wait()
+            if pipe.optimizer is not None and not self.errors:
+                pipe.sync.merge(pipe, self.ctx_ids, i, self.into[i])
+        self.merged[i].set()

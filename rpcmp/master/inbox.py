@@ -1,0 +1,59 @@
+"""The master's side of the wire: micro-batches go to the first stage's owner, the last
+stage's output comes back here (the owner's side is :mod:`rpcmp.owner.stage`; see [Note: why
+activations skip the master] there). The outputs wait in the process's
+:class:`rpcmp.core.served.Awaited`."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from ..owner import stage
+from ..core.failure import Failure
+from ..core.served import current
+
+__all__ = ["send", "deliver", "abandon"]
+
+
+def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) -> torch.futures.Future:
+    """On the master: start micro-batch ``seq`` at the first stage's owner ``first``.
+
+    The returned future completes with the last stage's output the moment :func:`deliver`
+    brings it, or with the first error of the chain. Each ``forward`` answers its caller
+    only when the rest of the chain has answered it (that is how an error travels back), so
+    waiting for the chain's own future would add a one-way trip per stage after the output
+    has arrived; see [Note: why activations skip the master]. If the chain fails, every
+    stage (``owners[k]`` holds stage k) is told to skip ``seq``, so that the stages after
+    the failure do not wait for it with later micro-batches.
+    """
+    awaited = current().inbox
+    out = awaited.expect((pid, seq))
+
+    def failed(chain: torch.futures.Future) -> None:
+        try:
+            value = chain.wait()
+        except Exception as exc:  # noqa: BLE001 - a transport error: handed to the waiting master
+            error = exc
+        else:
+            if not isinstance(value, Failure):
+                return
+            error = value.error()
+        awaited.settle((pid, seq), error)
+        for index, owner in enumerate(owners):
+            try:
+                rpc.rpc_async(owner, stage.skip, args=(pid, index, seq))
+            except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
+                pass
+    rpc.rpc_async(first, stage.forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
+    return out
+
+
+def deliver(pid: int, seq: int, y: Any) -> None:
+    """The last stage's output (called by its owner over RPC, or directly when it is the master)."""
+    current().inbox.settle((pid, seq), y)
+
+
+def abandon(pid: int, seqs: list[int]) -> None:
+    """A failed step gives up the outputs it still waits for."""
+    current().inbox.drop([(pid, seq) for seq in seqs])

@@ -1,0 +1,389 @@
+"""The master side: a model cut into stages that live on other processes.
+
+Runs inside an initialised RPC world (see :mod:`rpcmp.launch.runtime`)::
+
+    pipe = Pipeline(job, world_size=3)       # builds each stage on its owner
+    loss = pipe.train_step(x, y)             # M micro-batches, dist autograd, optimizer step
+    out = pipe.predict(x)                    # no autograd anywhere
+    state = pipe.state_dict()                # keys of the unsplit model
+
+See [Note: why activations skip the master] in :mod:`rpcmp.owner.stage`.
+
+[Note: one context per micro-batch]
+(Each schedule's plan is data in :mod:`rpcmp.plan.schedule`; :mod:`rpcmp.master.executor` runs it.)
+With ``schedule="overlap"`` (the default) every micro-batch gets its own
+distributed-autograd context, driven by its own thread on the master: its loss and
+``dist_autograd.backward`` start the moment its output arrives, while later
+micro-batches are still in the forward pass (1F1B-style overlap of forward and backward
+across stages). All M forwards are issued at once, so activation memory is that of
+GPipe. ``schedule="1f1b"`` bounds it as 1F1B does: micro-batch i enters the pipeline
+only when micro-batch i - S has left every stage (its backward and gradient merge are
+done), so at most S micro-batches hold activations on any stage: less memory for a
+little more step time. Holding instead stage k's forward of micro-batch i
+until its own backward of i - (S - k) has passed, a strict 1F1B order on every stage,
+was slower: the last stage then alternates forward and backward and every latency
+between them lies on the critical path. Each context's backward is an independent graph task on every stage, so
+gradients flow upstream one micro-batch at a time. Within one shared context the
+autograd engine orders nodes by per-thread sequence numbers and runs the nodes that
+received activations over RPC last, so every stage finished all M backward passes before
+sending any gradient upstream, and the drain ran serially.
+As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums always
+add up in the same order), each owner adds its gradients into the first context's
+(:func:`rpcmp.owner.stage.merge_grads`) and the context is released: an owner holds two
+copies of its gradients at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps
+with the first context. The loss of micro-batch i is weighted by its share of the batch,
+which is exact for losses that are means over samples (checked on the first step, see
+:meth:`Pipeline._check_loss`). ``schedule="gpipe"`` keeps one context per step and
+computes the loss once on the gathered output: exact for any loss (a batch-level Dice,
+say), with less overlap. Every figure behind these choices: benchmarks/PERFORMANCE.md,
+design measurements.
+
+[Note: BatchNorm and micro-batches]
+A BatchNorm layer in training mode normalises with the statistics of the batch it sees;
+split into M micro-batches it would see M smaller ones, and outputs, gradients and
+running statistics would depend on M. ``Job(batchnorm="batch")`` (the default) keeps the
+whole-batch result exactly: a model with BatchNorm runs each training batch as one
+micro-batch. There is no cheaper exact way: every sample's output of a BatchNorm layer
+depends on every sample's input to it, and its backward on every sample's gradient, so
+no micro-batch can pass the layer, either way, before all have reached it, and a stage
+holding one cannot overlap with its neighbours. ``batchnorm="micro"`` pipelines the M
+micro-batches as GPipe does: each is normalised with its own statistics and updates the
+running statistics (M updates per batch). Committing whole-batch running statistics
+once per batch instead (torchgpipe's deferred batch norm) was measured and dropped: the
+whole-batch variance is not the micro-batch variance the layers were trained with, and
+the held-out Dice collapsed (figures: benchmarks/PERFORMANCE.md, design measurements).
+"""
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+from torch.distributed.nn import RemoteModule
+from torch.distributed.optim import DistributedOptimizer
+
+from ..core import health
+from . import inbox, tied
+from ..owner import stage
+from ..errors import JobError, StageError
+from ..data import needs_sample, sample_batch
+from .executor import run_step
+from .sync import LocalMerge
+from ..core.futures import raise_failures, wait_all
+from ..core.hparams import StageFields
+from ..plan.schedule import SCHEDULES
+from ..core.microbatch import batch_size, gather, map_tensors, scatter
+from ..plan.partition import StageSpec, plan_stages
+from ..plan.placement import Place, resolve_placement
+from ..core.policy import GradientPolicy, NonFinite
+from ..core.served import RunStatus, current
+from ..plan.lengths import check_sizes
+from .state import PipelineState
+
+__all__ = ["Pipeline"]
+
+
+class Pipeline(PipelineState):
+    """A model split into stages, each owned by the process its placement names."""
+
+    def __init__(self, job, world_size: int, *, microbatches: int | None = None,
+                 optimizer: tuple | None = None, schedule: str | None = None, sample: Any = None,
+                 status: RunStatus | None = None, places: list[Place] | None = None, sync=None,
+                 specs: list[StageSpec] | None = None):
+        self.job = job
+        self.microbatches = microbatches or job.microbatches
+        self.schedule = schedule or job.schedule
+        if self.schedule not in SCHEDULES:
+            raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        self.specs: list[StageSpec] = specs or self.plan(job, sample)
+        self.places: list[Place] = places or resolve_placement(job.placement, len(self.specs), world_size)
+        # how gradients come together before the step: one pipeline's merge, or one copy's share of
+        # the replicas' average (rpcmp/master/sync.py; [Note: replicas of a pipeline])
+        self.sync = sync or LocalMerge()
+        self._owners = [p.process for p in self.places]
+        served = current()
+        self.pid, self._seq = served.next_pipeline_id(), 0
+        self.status = status or served.status  # what failure messages say the run was doing
+        self.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
+        futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
+        options["owners"], options["deliver"] = list(self._owners), inbox.deliver
+        for i, (spec, place) in enumerate(zip(self.specs, self.places)):
+            nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
+            futs.append(rpc.rpc_async(place.process, stage.build,
+                                      args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
+        # A worker lost while building is named; a stage that failed to build says so itself.
+        with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
+            built = wait_all(futs)
+        raise_failures(built)  # see [Note: failures travel as values]
+        self.param_rrefs = [r for refs, _, _ in built for r in refs]
+        # Each stage as PyTorch's RPC API knows it (forward_async, remote_parameters, get_module_rref); the
+        # pipeline's own hot path runs the same module on its owner, stage to stage, without these handles.
+        self.stages: list[RemoteModule] = [RemoteModule.init_from_module_rref(str(place), module)
+                                           for (_, _, module), place in zip(built, self.places)]
+        if job.init_from:
+            self.init_from(job.init_from)
+        # See [Note: BatchNorm and micro-batches].
+        self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn, _ in built)
+        cls, kwargs = optimizer or job.optimizer
+        self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
+        self.param_owners = sorted({r.owner().name for r in self.param_rrefs})
+        self.nonfinite = NonFinite(job.nonfinite)
+        self.gradients = GradientPolicy(job.precision == "fp16", job.clip_grad_norm)
+        self.fields = StageFields((cls, kwargs), job.scheduler, self._write_fields)  # see [Note: schedulers in pipeline mode]
+        self._loss_checked = False  # see _check_loss
+        self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
+
+    @staticmethod
+    def plan(job, sample: Any = None) -> list[StageSpec]:
+        """The stages of ``job`` (traced, or profiled on ``sample`` for ``Split(by="time")``)."""
+        if sample is None and needs_sample(job):
+            sample = sample_batch(job)  # Split(by="time") profiles the layers on the job's first batch
+        return plan_stages(job, sample)
+
+    # -- running micro-batches ------------------------------------------------
+    def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any:
+        """Run ``x`` through every stage as M micro-batches; return the gathered output.
+
+        With ``grad=True`` this must run inside a ``dist_autograd.context()``.
+        """
+        check_sizes(self.specs[0].sizes, x)  # see [Note: any sequence length]
+        parts = scatter(x, chunks or self.microbatches)
+        first = self.places[0].process
+        seqs = self._next_seqs(len(parts))
+        try:
+            outs = wait_all([inbox.send(self.pid, s, first, p, grad, self._owners) for s, p in zip(seqs, parts)])
+        except Exception:
+            inbox.abandon(self.pid, seqs)
+            self._resync()
+            raise
+        return gather([self._fp32(out) for out in outs])
+
+    def _fp32(self, out: Any) -> Any:
+        if self.job.precision == "fp32":
+            return out
+        return map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)  # the loss is computed in fp32
+
+    def train_step(self, x: Any, y: Any, chunks: int | None = None) -> torch.Tensor:
+        """One optimizer step on batch ``(x, y)`` in ``chunks`` micro-batches; returns the loss.
+
+        ``chunks`` defaults to M, or to 1 for a model with BatchNorm under ``Job(batchnorm="batch")``.
+        The schedule's plan (:mod:`rpcmp.plan.schedule`) says how; :mod:`rpcmp.master.executor` runs it.
+        """
+        return run_step(self, self.schedule, x, y, chunks or self.batch_chunks)
+
+    def _micro_threads(self, count: int) -> ThreadPoolExecutor:
+        """The master's micro-batch threads: every micro-batch of a step must run at once (a barrier)."""
+        if count > self._threads._max_workers:
+            self._threads.shutdown(wait=False)
+            self._threads = ThreadPoolExecutor(count, thread_name_prefix="rpcmp-micro")
+        return self._threads
+
+    def _check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None:
+        """Once per pipeline: warn if the micro-batches' weighted losses do not add up to the
+        loss of the whole batch, i.e. ``Job.loss`` is not a mean over samples (a batch-level
+        Dice, a sum): the per-micro-batch schedules then train on another loss than the
+        unsplit model. Costs one more loss evaluation, on the first step with a finite loss."""
+        try:
+            with torch.no_grad():
+                whole = self.job.loss(gather(outs), y).detach().float()
+        except Exception:  # noqa: BLE001 - outputs that do not concatenate (0-dim ones): nothing to compare
+            whole = None
+        if whole is not None and not (torch.isfinite(whole).all() and torch.isfinite(total).all()):
+            return  # a later step checks
+        self._loss_checked = True
+        if whole is None or whole.shape != total.shape:
+            return
+        if not torch.allclose(total.float(), whole, rtol=1e-4, atol=1e-6):
+            warnings.warn(
+                f"Job.loss is not a mean over samples: on the whole batch it is {whole.sum().item():.6g}, but the "
+                f"{len(outs)} micro-batches' losses, each weighted by its share of the batch, add up to "
+                f"{total.sum().item():.6g}. schedule={self.schedule!r} computes the loss per micro-batch, so it trains "
+                f"on another loss than the unsplit model; Job(schedule='gpipe') computes it once on the whole batch",
+                RuntimeWarning, stacklevel=4)
+
+    def _backward(self, ctx: int, loss: torch.Tensor) -> None:
+        """``dist_autograd.backward``, with a failure on another process named by its stages."""
+        try:
+            dist_autograd.backward(ctx, [self._scaled(loss)])
+        except RuntimeError as exc:
+            node, text = None, str(exc)  # passed on by later stages, it arrives nested: the innermost node failed
+            while (found := re.match(r"Error on Node (\d+): (.*)", text, re.S)) is not None:
+                node, text = found.group(1), found.group(2)
+            if node is None:
+                raise
+            names = {rpc.get_worker_info(o).id: o for o in set(self._owners)}
+            owner = names.get(int(node), f"rank {node}")
+            held = ", ".join(f"stage {s.index} ({s.name})" for s in self._held().get(owner, []))
+            raise StageError(f"the backward pass failed on {owner} ({held or 'no stage'}): {text}") from None
+
+    @property
+    def batch_chunks(self) -> int:
+        """Micro-batches per training batch: M, or 1 for whole-batch BatchNorm."""
+        return 1 if self.whole_batch_bn else self.microbatches
+
+    def _apply_step(self, ctx_id: int, loss: torch.Tensor) -> None:
+        """The optimizer step of context ``ctx_id`` after the step's backward, as the policy allows
+        (non-finite loss, fp16 overflow); with replicas, on gradients averaged over the copies."""
+        if self.optimizer is None:
+            return
+        loss = self.sync.before_step(self, ctx_id, loss)
+        if loss is None or not self._finite(loss):
+            return
+        tied.sum_shared(self, ctx_id)  # see [Note: a parameter shared by stages]
+        if self._unscale_and_clip(ctx_id):
+            self.optimizer.step(ctx_id)
+            self.nonfinite.updated = True
+            self._schedule_lr()
+
+    def settle_reduce(self, wait: bool) -> None:
+        """After a failed step of a copy: its stages take part in the step's all_reduce all the same."""
+        if self.optimizer is not None:
+            self.sync.settle(self, wait)
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.gradients.scaled(loss)
+
+    def _unscale_and_clip(self, ctx_id: int) -> bool:
+        """Apply :class:`~rpcmp.core.policy.GradientPolicy` to the context's gradients on every owner;
+        False: skip this step (an fp16 overflow)."""
+        if not self.gradients.needs_norm:
+            return True
+        skip = tied.norm_skips(self.specs, self._owners)  # a shared parameter counts once
+        sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id, skip.get(o, ()))) for o in self.param_owners])
+        coef = self.gradients.coefficient(math.sqrt(sum(sq)))
+        if coef is None:
+            return False
+        if coef != 1.0:
+            wait_all([rpc.rpc_async(o, stage.scale_grads, args=(self.pid, ctx_id, coef)) for o in self.param_owners])
+        return True
+
+    # -- policy state the trainer reads and checkpoints ------------------------------------
+    @property
+    def loss_scale(self) -> float | None:
+        return self.gradients.scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.gradients.scale = value
+
+    @property
+    def overflow_steps(self) -> int:
+        return self.gradients.overflow_steps
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        return self.gradients.last_norm
+
+    @property
+    def scheduler(self):
+        return self.fields.scheduler
+
+    def _schedule_lr(self) -> None:
+        self.fields.step()
+
+    def scheduler_state(self) -> dict:
+        return self.fields.state()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        self.fields.load_state(state)
+
+    def _write_fields(self, changed: dict[str, Any]) -> None:
+        wait_all([rpc.rpc_async(r.owner(), stage.set_fields, args=(r, changed)) for r in self._remote_optimizers])
+
+    def set_hparams(self, fields: dict[str, Any]) -> None:
+        """Set optimizer fields (``lr``, ``momentum``, ``betas``, ...) on every stage's optimizer."""
+        self.fields.set(fields)
+
+    @property
+    def lr(self) -> float | None:
+        """The learning rate the stages' optimizers use next."""
+        return self.fields.lr
+
+    def hparams(self) -> list[dict[str, Any]]:
+        """The fields each owner's optimizer will use at its next step (for checks and logs)."""
+        return wait_all([rpc.rpc_async(r.owner(), stage.get_fields, args=(r,)) for r in self._remote_optimizers])
+
+    def learning_rates(self) -> list[float]:
+        """The learning rate each owner's optimizer will use next."""
+        return [f["lr"] for f in self.hparams()]
+
+    def _finite(self, loss: torch.Tensor) -> bool:
+        return self.nonfinite.allows(loss)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update ``Job(nonfinite="skip")`` skipped."""
+        return self.nonfinite.skipped
+
+    def _next_seqs(self, count: int) -> list[int]:
+        seqs = list(range(self._seq, self._seq + count))
+        self._seq += count
+        return seqs
+
+    @torch.no_grad()
+    def predict(self, x: Any) -> Any:
+        """Forward without autograd on any stage (call :meth:`eval` first for inference)."""
+        return self.forward(x, grad=False, chunks=min(self.microbatches, batch_size(x)))
+
+    # -- mode, tracing, lifetime (the state across owners: rpcmp.master.state) ----------
+    def train(self, mode: bool = True) -> "Pipeline":
+        self._each(stage.set_training, mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        return self.train(False)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """``exc`` as a :class:`~rpcmp.errors.WorkerLostError` naming the owner that stopped
+        answering, if one did (see :func:`rpcmp.core.health.explain`)."""
+        return health.explain(exc, set(self._owners), self.status)
+
+    @property
+    def rows(self) -> list[tuple[int, StageSpec, Place]]:
+        """(replica, stage, place) of every stage, for the run's summary (one replica here)."""
+        return [(0, s, p) for s, p in zip(self.specs, self.places)]
+
+    def _held(self) -> dict[str, list[StageSpec]]:
+        """The stages each process owns, in order."""
+        held: dict[str, list[StageSpec]] = {}
+        for spec, owner in zip(self.specs, self._owners):
+            held.setdefault(owner, []).append(spec)
+        return held
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next micro-batch will take (the timeline maps steps to them)."""
+        return self._seq
+
+    def start_trace(self) -> None:
+        self._each(stage.set_trace, True)
+
+    def stop_trace(self) -> dict[int, list]:
+        """Stop tracing; return each stage's (kind, seq, start, end) slices."""
+        return dict(enumerate(self._each(stage.set_trace, False)))
+
+    def stats(self) -> list[dict[str, float]]:
+        return self._each(stage.stats)
+
+    def close(self) -> None:
+        """Drop the stages on their owners (the processes stay up)."""
+        owners = set(self._owners)
+        wait_all([rpc.rpc_async(o, stage.release, args=(self.pid,)) for o in owners])
+        self.optimizer = None
+        self.param_rrefs, self.stages = [], []
+        self._threads.shutdown(wait=False)
+
+    def _each(self, fn, *args) -> list:
+        return wait_all([rpc.rpc_async(p.process, fn, args=(self.pid, i) + args)
+                         for i, p in enumerate(self.places)])
+
+    def _resync(self) -> None:
+        try:
+            self._each(stage.resync, self._seq)
+        except Exception:  # the original error is the one worth reporting
+            pass

@@ -1,0 +1,259 @@
+"""Pipeline x data parallel: ``Job(replicas=R)`` trains R copies of the S-stage pipeline on R x S
+processes, each copy on its own share of every batch.
+
+[Note: replicas of a pipeline]
+The master drives every copy: it splits each global batch as ``DistributedSampler`` would
+(replica r takes samples r, r + R, r + 2R, ... of the batch, which is exactly what R
+samplers over the same shuffled order hand out), and runs the R pipelines' steps at once,
+one thread each. Each owner averages its gradients with the copies of its stage (one
+``all_reduce`` over one flat buffer per stage and step, in a process group per stage:
+gloo on the CPU, NCCL for CUDA stages), and every copy then takes the same optimizer
+step, so the copies stay identical. The policy decisions use the average too: the loss
+that is checked for NaN is the mean over the copies (the copies meet at
+:class:`ReplicaSync` when their backward is done), and clipping and fp16 loss scaling see
+the averaged gradients, so every copy decides alike. A copy that fails aborts that meeting,
+and its stages still take part in the step's ``all_reduce`` (with zeros), so nobody is
+left inside a collective.
+Each copy's loss is the mean over its own share, so the averaged gradient is the
+gradient of the mean over the global batch, as with one copy (the float sums differ in
+order, so equal at float32 tolerance, not bit-equal). BatchNorm sees each copy's share,
+as in DDP mode without SyncBatchNorm. One master drives every copy (rather than a master
+per copy) so that there is one data order, one checkpoint writer and one place that names a
+lost process; its cost is a thread per copy on the master.
+
+Each stage's average starts on its owner as soon as the step's last micro-batch has left
+the stage in the backward, while the stages before it still compute (one ``all_reduce``
+per stage and step, asynchronous): see [Note: the average overlaps the backward] in
+:mod:`rpcmp.owner.reduce`, which also says how a parameter used by some copies only is refused
+alike by all and how a failed step keeps the collectives paired.
+
+The grid is the run's :class:`~rpcmp.plan.topology.Topology` (see [Note: one topology per
+run]); the ranks learn each other's nodes through the launch's store before RPC starts
+(:func:`rpcmp.launch.groups.share_nodes`), and the stage groups are built there too.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..core import health
+from ..core.microbatch import batch_size
+from ..errors import JobError
+from ..plan.placement import Place
+from ..plan.topology import Topology
+from .sync import ReplicaReduce
+
+__all__ = ["ReplicaSync", "Replicated", "pipeline_for", "shard", "unshard"]
+
+
+def pipeline_for(job, world_size: int, status=None):
+    """What the master drives for ``job``: a :class:`~rpcmp.Pipeline`, or R copies of one as a :class:`Replicated`."""
+    from .pipeline import Pipeline
+    if Topology.for_run(job, world_size).replicated:
+        return Replicated(job, world_size, Pipeline, status=status)
+    return Pipeline(job, world_size, status=status)
+
+
+class ReplicaSync:
+    """Where the copies of a step meet before their gradients are averaged: every copy brings its
+    loss and leaves with the mean over the copies. A copy that failed earlier calls :meth:`abort`,
+    and the others leave with ``threading.BrokenBarrierError`` instead of waiting."""
+
+    def __init__(self, copies: int, timeout: float | None = None):
+        self.copies, self._losses = copies, [None] * copies
+        self._barrier = threading.Barrier(copies, timeout=timeout)
+
+    def meet(self, index: int, loss: torch.Tensor) -> torch.Tensor:
+        self._losses[index] = loss.detach()
+        self._barrier.wait()
+        mean = torch.stack(self._losses).mean(0)
+        self._barrier.wait()  # nobody overwrites a loss of this step before everyone has read them
+        return mean
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def reset(self) -> None:
+        self._barrier.reset()
+
+
+def shard(x: Any, index: int, copies: int) -> Any:
+    """Replica ``index``'s share of batch ``x``: samples index, index + copies, ... (DistributedSampler's)."""
+    return pytree.tree_map(lambda t: t[index::copies] if isinstance(t, torch.Tensor) else t, x)
+
+
+def unshard(parts: list[Any]) -> Any:
+    """The inverse of :func:`shard`: the parts' samples back in the batch's order."""
+    def weave(*ts):
+        if not isinstance(ts[0], torch.Tensor) or ts[0].dim() == 0:
+            return ts[0]
+        out = ts[0].new_empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]))
+        for i, t in enumerate(ts):
+            out[i::len(ts)] = t
+        return out
+    return pytree.tree_map(weave, *parts)
+
+
+def _first(name: str) -> property:
+    return property(lambda self: getattr(self.pipes[0], name), doc=f"The first copy's ``{name}`` (every copy holds the same).")
+
+
+class Replicated:
+    """R :class:`~rpcmp.Pipeline` copies that train as one (see [Note: replicas of a pipeline]);
+    what the trainer asks of a pipeline, it asks of this."""
+
+    def __init__(self, job, world_size: int, pipeline_cls, status=None, sample: Any = None):
+        self.job, self.copies = job, job.replicas
+        grid = Topology.for_run(job, world_size).grid
+        self.meeting = ReplicaSync(self.copies, timeout=max(job.rpc_timeout, job.hang_timeout or 0) * 4)
+        self._threads = ThreadPoolExecutor(self.copies, thread_name_prefix="rpcmp-replica")
+        # One plan for every copy: the same cut points (Split(by="time") profiles once), and tracing
+        # (torch.export) is not something two threads can do at once. The copies then build at once:
+        # their stages are on different processes.
+        specs = pipeline_cls.plan(job, sample)
+        self.pipes = [f.result() for f in [self._threads.submit(pipeline_cls, job, world_size, places=grid[i],
+                                                                sync=ReplicaReduce(i, self.meeting), status=status,
+                                                                specs=specs)
+                                           for i in range(self.copies)]]
+        self.status = self.pipes[0].status
+        self.status.stages = {}
+        for i, pipe in enumerate(self.pipes):
+            for owner, held in pipe._held().items():
+                self.status.stages.setdefault(owner, []).extend(f"replica {i} stage {s.index} {s.name}" for s in held)
+
+    # -- what differs: every copy works, on its share ------------------------------------
+    def _all(self, fn) -> list:
+        return [f.result() for f in [self._threads.submit(fn, i, p) for i, p in enumerate(self.pipes)]]
+
+    def train_step(self, x: Any, y: Any, chunks: int | None = None) -> torch.Tensor:
+        """One optimizer step of every copy, each on its share of ``(x, y)``; the mean loss over the copies."""
+        if batch_size(x) % self.copies:
+            raise JobError(f"a batch of {batch_size(x)} samples does not split evenly over {self.copies} replicas (each "
+                           f"copy's loss is the mean over its share, and the copies' gradients are averaged): give "
+                           f"batches of a multiple of {self.copies} samples")
+        self.meeting.reset()
+
+        def step(i, pipe):
+            try:
+                return pipe.train_step(shard(x, i, self.copies), shard(y, i, self.copies), chunks)
+            except BaseException:
+                self.meeting.abort()  # the others stop waiting for this copy
+                pipe.settle_reduce(wait=False)  # nor does any of their stages' all_reduces
+                raise
+        futures = [self._threads.submit(step, i, p) for i, p in enumerate(self.pipes)]
+        errors, losses = [], []
+        for f in futures:
+            try:
+                losses.append(f.result())
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - the first real failure is re-raised
+                errors.append(exc)
+        if errors:
+            self._all(lambda i, p: p.settle_reduce(wait=True))  # every collective of the step has ended
+            raise errors[0]
+        return torch.stack(losses).mean(0)
+
+    @torch.no_grad()
+    def predict(self, x: Any) -> Any:
+        copies = min(self.copies, batch_size(x))
+        parts = self._all(lambda i, p: p.predict(shard(x, i, copies)) if i < copies else None)
+        return unshard(parts[:copies])
+
+    def train(self, mode: bool = True) -> "Replicated":
+        self._all(lambda i, p: p.train(mode))
+        return self
+
+    def eval(self) -> "Replicated":
+        return self.train(False)
+
+    # -- state: every copy holds the same values; the first one speaks for all -------------
+    def state_dict(self) -> dict:
+        return self.pipes[0].state_dict()
+
+    def state_meta(self) -> dict:
+        return self.pipes[0].state_meta()
+
+    def optimizer_state(self) -> dict:
+        return self.pipes[0].optimizer_state()
+
+    def save_stage_files(self, directory: str, step: int, keep_last: int, run: str | None = None) -> list[dict]:
+        return self.pipes[0].save_stage_files(directory, step, keep_last, run)  # written once, not R times
+
+    def load_files(self, files: list[str], optimizer: bool = True) -> None:
+        self._all(lambda i, p: p.load_files(files, optimizer))
+
+    def load_state_dict(self, state: dict) -> None:
+        self._all(lambda i, p: p.load_state_dict(state))
+
+    def init_from(self, path: str) -> None:
+        self._all(lambda i, p: p.init_from(path))
+
+    def rng_state(self) -> dict:
+        return {"replicas": [p.rng_state() for p in self.pipes]}
+
+    def load_rng_state(self, saved) -> bool:
+        if not saved or len(saved.get("replicas", ())) != self.copies:
+            return False
+        return all([p.load_rng_state(s) for p, s in zip(self.pipes, saved["replicas"])])
+
+    def scheduler_state(self) -> dict:
+        return self.pipes[0].scheduler_state()
+
+    def load_scheduler_state(self, state: dict) -> None:
+        for p in self.pipes:
+            p.load_scheduler_state(state)
+
+    def set_hparams(self, fields: dict) -> None:
+        for p in self.pipes:
+            p.set_hparams(fields)
+
+    # -- read from the first copy (every copy holds the same); the grid where it matters ----
+    specs = _first("specs")
+    places = _first("places")
+    lr = _first("lr")
+    last_grad_norm = _first("last_grad_norm")
+    schedule = _first("schedule")
+    microbatches = _first("microbatches")
+    batch_chunks = _first("batch_chunks")
+    whole_batch_bn = _first("whole_batch_bn")
+    scheduler = _first("scheduler")
+    skipped_steps = _first("skipped_steps")
+    overflow_steps = _first("overflow_steps")
+    hparams = _first("hparams")
+    learning_rates = _first("learning_rates")
+    optimizer = _first("optimizer")
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.pipes[0].loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        for p in self.pipes:
+            p.loss_scale = value
+
+    @property
+    def grid(self) -> list[list[Place]]:
+        return [p.places for p in self.pipes]
+
+    def stats(self) -> list[dict]:
+        return [st for p in self.pipes for st in p.stats()]
+
+    @property
+    def rows(self) -> list[tuple]:
+        """(replica, spec, place) for every process of the grid, for the run's summary."""
+        return [(i, s, pl) for i, p in enumerate(self.pipes) for s, pl in zip(p.specs, p.places)]
+
+    def explain(self, exc: BaseException) -> BaseException:
+        owners = {pl.process for p in self.pipes for pl in p.places}
+        return health.explain(exc, owners, self.status)
+
+    def close(self) -> None:
+        for p in self.pipes:
+            p.close()
+        self._threads.shutdown(wait=False)

@@ -1,0 +1,184 @@
+"""The owner side of ``Job(replicas=R)``: one stage's gradients of one training step, summed
+over the step's micro-batches and averaged with the stage's copies, the average started
+while the backward is still running on earlier stages.
+
+[Note: the average overlaps the backward]
+A stage's gradients of a step are final when the step's last micro-batch has left the
+stage in the backward: from then on the stage can average them with its copies while the
+stages before it still compute. The owner learns that moment itself: the stage's forward
+hooks its output, and when the output's gradient arrives, the hook queues a callback on
+the autograd engine (``queue_callback``), which runs when this process's part of that
+context's backward is over, with every parameter's gradient already in the context. Each
+such callback adds the micro-batch's gradients into the first micro-batch's context, in
+micro-batch order (the master's order for plain pipelines, so the sums add up alike), and
+the last one starts the ``all_reduce`` (``async_op``: the engine thread goes on at once).
+The master still says, after each micro-batch's whole backward, that it is done
+(:meth:`StepReduce.left` with its context ids): a stage whose callback does not run is
+merged then, only later. That is a stage whose output's gradient reaches a graph task the
+engine has already finished on that process: one on the master other than the last (the
+master's own backward started the context there), or the upstream one of two stages on one
+process. The callback never runs early: the engine runs a graph task's callbacks when
+nothing of it is in flight, and the hooked node is counted from before the hook fires. A stage that
+receives gradients in several messages (a traced stage that posts skip values) is not
+hooked at all, since its first message need not be its last; it too is merged when the
+master says so. A plan with one context per step (``gpipe``) has one message per
+micro-batch in one context: it averages when the step applies, as before.
+
+One flat buffer per stage holds the gradients and, at its end, a 1 for every parameter
+that has one; after the ``all_reduce`` those counts say which parameters got a gradient
+in every copy (averaged), in none (left alone), or in some only, which every copy then
+refuses alike instead of leaving a peer inside a collective. Every stage of every copy
+takes part in exactly one ``all_reduce`` per step, also when the step fails
+(:meth:`StepReduce.settle` joins with zeros), so the next step's collectives pair up.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+
+from ..errors import StageError
+from ..core.microbatch import tensors
+
+__all__ = ["StepReduce", "param_grads", "add_grads"]
+
+
+def param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """Context ``ctx_id``'s gradients of ``params`` (not of inputs that needed one while tracing);
+    the context's own tensors, so adding into them changes what the optimizer reads."""
+    return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
+
+
+def add_grads(base: dict[torch.Tensor, torch.Tensor], more: dict[torch.Tensor, torch.Tensor], where: str) -> None:
+    """Add a later micro-batch's gradients ``more`` into the first's ``base``, for one optimizer step."""
+    for param, grad in more.items():
+        if param not in base:
+            raise StageError(f"a parameter of shape {tuple(param.shape)} on {where} got a gradient from a later "
+                             f"micro-batch but not from the first; use Job(schedule='gpipe') for models whose "
+                             f"micro-batches use different parameters")
+        base[param].add_(grad)
+
+
+class StepReduce:
+    """One stage's gradients of one step on its owner (see [Note: the average overlaps the backward])."""
+
+    def __init__(self, params: dict[str, torch.Tensor], where: str, group, copies: int,
+                 first_seq: int, count: int, hook: bool):
+        self.names, self.params = list(params), list(params.values())
+        self._mine = set(self.params)
+        self._base: dict | None = None  # the first context's gradients, read once
+        self.where, self.group, self.copies = where, group, copies
+        self.first, self.count, self.hook = first_seq, count, hook
+        self.contexts: dict[int, int] = {}  # micro-batch -> its distributed-autograd context
+        self.done: set[int] = set()  # micro-batches whose backward has left this stage
+        self.next = 0  # the next micro-batch to merge into the first's context
+        self.error: Exception | None = None
+        self.flat = self.work = None
+        self.early = False  # the all_reduce was started by the backward, not by the master
+        self.times = [0.0, 0.0, 0.0]  # when the all_reduce started, when the master asked for it, when it ended
+        self.closed = False
+        self._lock = threading.Lock()
+
+    # -- the stage's forward ------------------------------------------------------------------
+    def watch(self, seq: int, output) -> None:
+        """Micro-batch ``seq``'s forward (with grad) on this stage: note its context, and hook its
+        output so that the end of this process's part of its backward is known."""
+        i = seq - self.first
+        if not self.hook or not 0 <= i < self.count:
+            return
+        self.contexts[i] = dist_autograd._current_context()._context_id()
+        for t in tensors(output):
+            if t.requires_grad:
+                t.register_hook(partial(self._arrived, i))
+
+    def _arrived(self, i: int, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(partial(self.left, i, None, True))
+
+    # -- micro-batches done, from the backward or from the master ---------------------------
+    def left(self, upto: int, contexts: list[int] | None = None, by_backward: bool = False) -> None:
+        """Micro-batch ``upto`` (and, when the master says so with their ``contexts``, every one
+        before it) has left this stage: merge what can be merged, start the average when all have."""
+        with self._lock:
+            if self.closed:
+                return
+            if contexts is None:
+                self.done.add(upto)
+            else:
+                self.contexts.update((i, c) for i, c in enumerate(contexts) if i not in self.contexts)
+                self.done.update(range(upto + 1))
+            while self.next < self.count and self.next in self.done:
+                if self.next and self.error is None:
+                    self._merge(self.next)
+                self.next += 1
+            if self.next == self.count and self.work is None:
+                self._start(zeros=self.error is not None)
+                self.early = by_backward
+
+    def _grads(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
+        if i:
+            return param_grads(self._mine, self.contexts[i])
+        if self._base is None:  # merges add into these tensors: no parameter joins them later
+            self._base = param_grads(self._mine, self.contexts[0])
+        return self._base
+
+    def _merge(self, i: int) -> None:
+        try:
+            add_grads(self._grads(0), self._grads(i), self.where)
+        except Exception as exc:  # noqa: BLE001 - raised by average(); the all_reduce still takes place
+            self.error = exc
+
+    def _start(self, zeros: bool) -> None:
+        grads = {} if zeros else self._grads(0)
+        parts = [grads[p].reshape(-1) if p in grads else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                 for p in self.params]
+        dtype = parts[0].dtype if parts else torch.float32
+        had = torch.tensor([p in grads for p in self.params], dtype=dtype,
+                           device=parts[0].device if parts else None)
+        self.flat = torch.cat([*parts, had])
+        self.times[0] = time.perf_counter()
+        self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+
+    # -- the end of the step ---------------------------------------------------------------------
+    def average(self, base_ctx: int) -> None:
+        """Wait for the average and write it into the first context's gradients (the master's
+        call once every copy's backward is done)."""
+        self.left(self.count - 1, [base_ctx])
+        with self._lock:
+            self.closed = True
+        self.times[1] = time.perf_counter()
+        self.work.wait()
+        self.times[2] = time.perf_counter()
+        if self.error is not None:
+            raise self.error
+        flat, n = self.flat, len(self.params)
+        counts = flat[flat.numel() - n:]
+        some = [name for name, c in zip(self.names, counts.tolist()) if 0 < c < self.copies]
+        if some:
+            raise StageError(f"{self.where}: parameters {some[:3]} got a gradient this step in some copies of the "
+                             f"stage but not in all, so the copies cannot average them; replicas need every "
+                             f"parameter used alike in every copy")
+        grads, offset = self._grads(0), 0
+        for p in self.params:
+            if p in grads:
+                grads[p].copy_(flat[offset:offset + p.numel()].view_as(p)).div_(self.copies)
+            offset += p.numel()
+
+    @property
+    def seconds(self) -> tuple[float, float]:
+        """(the all_reduce's time from its start to its end, the part of it the master waited for)."""
+        start, asked, end = self.times
+        return (end - start, max(0.0, end - max(start, asked))) if end else (0.0, 0.0)
+
+    def settle(self, wait: bool) -> None:
+        """A failed step: take part in the step's all_reduce if this stage has not (with zeros),
+        and end the step here; ``wait`` for the collective to finish."""
+        with self._lock:
+            if self.work is None:
+                self._start(zeros=True)
+            self.closed = True
+        if wait:
+            self.work.wait()

@@ -1,0 +1,391 @@
+"""The owner side of a stage: build it, run micro-batches in order, forward the result
+(the master's side of the wire is :mod:`rpcmp.master.inbox`).
+
+[Note: why activations skip the master]
+The master sends micro-batch m to stage 0 only. Each stage runs it and calls the next
+stage's owner itself (``rpc_async`` from inside :func:`forward`); the last stage
+hands its output to the master (:func:`rpcmp.master.inbox.deliver`), which computes the loss. All of
+this happens inside the master's distributed-autograd context, which RPC carries
+along, so ``dist_autograd.backward`` sends each gradient straight back along the
+same hops: stage to stage, never via the master. ``forward`` is an
+``async_execution`` function: it returns the downstream future, so the RPC thread is
+free at once, errors travel back to the master, and stage k works on micro-batch
+m + 1 while stage k + 1 works on m (GPipe fill and drain). The master does not wait for
+those answers to come back down the chain: a micro-batch is done when its output
+arrives (:func:`rpcmp.master.inbox.send`), which saves a one-way trip per stage
+(figures: benchmarks/PERFORMANCE.md, design measurements).
+
+Micro-batches are numbered by the master (``seq``); a stage runs them strictly in that
+order (:class:`rpcmp.owner.admission.InOrder`).
+
+[Note: one compute thread per stage]
+The RPC handler thread owns the distributed-autograd context (it is thread-local), so
+it receives the input and sends the output; the module itself runs on the stage's one
+compute thread. Autograd numbers graph nodes with a per-thread counter and the
+backward engine runs the highest numbers first; with one thread per stage, micro-batch
+m + 1's nodes all outnumber m's, so backward finishes one micro-batch at a time and
+sends its gradient upstream at once. Run from whichever RPC thread was free, the
+micro-batches' nodes interleave, the engine works on all of them together, and the
+upstream stage sits idle until the last one is done (about twice the backward time,
+figures: benchmarks/PERFORMANCE.md, design measurements).
+
+Activation checkpointing (``Job(recompute=True)``): see [Note: recompute] in
+:mod:`rpcmp.owner.recompute`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from .admission import InOrder
+from ..errors import StageError
+from ..core.failure import Failure
+from ..core.hparams import apply_fields, read_fields
+from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
+from ..plan.partition import StageSpec, build_stage
+from .recompute import Recomputed, make_recomputable
+from ..plan.placement import MASTER, Place, check_device
+from .reduce import StepReduce, add_grads, param_grads
+from ..core.served import current
+
+# The RPC endpoints the master calls (rpcmp.master.pipeline, rpcmp.master.executor, rpcmp.master.inbox); each finds
+# the stage it acts on in this process's rpcmp.core.served.Served.
+__all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "begin_reduce", "reduce_merged",
+           "average_grads", "settle_reduce", "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads",
+           "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
+
+
+@dataclass
+class StageHost:
+    pid: int
+    spec: StageSpec
+    place: Place
+    module: torch.nn.Module
+    device: torch.device
+    next_process: str | None  # owner of the next stage; None: this is the last stage
+    keep_on_device: bool
+    timeout: float
+    autocast: torch.dtype | None = None  # Job.precision bf16 / fp16: the stage runs under autocast
+    recompute: bool = False  # see [Note: recompute]
+    lock: threading.RLock = field(default_factory=threading.RLock)  # forward vs recomputation
+    owners: list = field(default_factory=list)  # process of every stage: where posts go
+    mail_in: tuple = ()  # values this stage reads from stages before the previous one (traced stages)
+    posts: bool = False  # whether it sends values straight to later stages (see [Note: skip values go ...])
+    gate: InOrder = field(default=None)  # micro-batches in the master's order
+    deliver: Any = None  # the master's endpoint for the last stage's output (rpcmp.master.inbox.deliver)
+    reduce: StepReduce | None = None  # Job(replicas=R): this step's gradients (see [Note: the average overlaps ...])
+    reduced: list = field(default_factory=lambda: [0, 0.0, 0.0])  # averages the backward started, seconds, waited
+    compute_s: float = 0.0
+    runs: int = 0
+    bytes_in: int = 0  # activations received (their gradients go back the same size)
+    bytes_out: int = 0  # activations sent on
+    born: float = field(default_factory=time.perf_counter)
+    cpu_born: float = field(default_factory=lambda: _cpu_seconds())
+    compute: ThreadPoolExecutor = field(default=None)
+    events: list | None = None  # (kind, seq, start, end) wall-clock slices while tracing, else None
+    _bwd_start: dict = field(default_factory=dict)  # seq -> when its backward reached this stage
+
+    def __post_init__(self):
+        threads = torch.get_num_threads()
+        self.compute = ThreadPoolExecutor(1, thread_name_prefix=f"rpcmp-stage{self.spec.index}",
+                                          initializer=torch.set_num_threads, initargs=(threads,))
+        self.gate = InOrder(f"stage {self.spec.index} ({self.spec.name}) on {self.place.process}", self.timeout,
+                            self.mail_in)
+
+    def run(self, seq: int, x: Any, grad: bool) -> Any:
+        mail = self.gate.enter(seq)
+        try:
+            # See [Note: one compute thread per stage].
+            return self.compute.submit(self._compute, (x, mail) if self.mail_in else x, grad, seq).result()
+        finally:
+            self.gate.leave(seq)
+
+    def _precision(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def _compute(self, x: Any, grad: bool, seq: int) -> Any:
+        start, wall = time.perf_counter(), time.time()
+        self.bytes_in += sum(t.nbytes for t in tensors(x))
+        x = to_device(x, self.device, non_blocking=True)
+        if self.events is not None and grad:
+            x = self._trace_backward_end(x, seq)
+        with torch.set_grad_enabled(grad), self._precision():
+            with self.lock:
+                if self.recompute and grad:
+                    y = Recomputed.run(self.module, self.lock, self.device, x)
+                else:
+                    y = self.module(x)
+        check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
+        posts = None
+        if self.posts:
+            y, posts = y
+            if self.device.type != "cpu":  # posts go as CPU tensors: device maps cover neighbours only
+                posts = to_device(posts, torch.device("cpu"))
+        if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
+            y = to_device(y, torch.device("cpu"))
+        self.compute_s += time.perf_counter() - start
+        self.runs += 1
+        self.bytes_out += sum(t.nbytes for t in tensors(y))
+        if self.events is not None:
+            self.events.append(("F", seq, wall, time.time()))
+            if grad:
+                out = next((t for t in tensors(y) if t.requires_grad), None)
+                if out is not None:
+                    out.register_hook(lambda g: self._backward_started(seq))
+        if posts is not None:
+            self.bytes_out += sum(t.nbytes for t in tensors(posts))
+            return y, posts
+        return y
+
+    # -- tracing (``--trace FILE``): a slice per micro-batch forward and backward ------------
+    def _backward_started(self, seq: int) -> None:
+        self._bwd_start[seq] = time.time()
+
+    def _trace_backward_end(self, x: Any, seq: int) -> Any:
+        """Hook the input's gradient: it is computed last in this stage's backward. A first
+        stage's input needs no gradient, so while tracing it gets one (a little extra work)."""
+        def done(grad):
+            self.events.append(("B", seq, self._bwd_start.pop(seq, time.time()), time.time()))
+        floats = [t for t in tensors(x) if t.is_floating_point()]
+        hooked = next((t for t in floats if t.requires_grad), None)
+        if hooked is None and floats:
+            first = floats[0]
+            hooked = first.detach().requires_grad_()
+            x = map_tensors(x, lambda t: hooked if t is first else t)
+        if hooked is not None:
+            hooked.register_hook(done)
+        return x
+
+
+def _whoami() -> str:
+    return rpc.get_worker_info().name
+
+
+def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float, options: dict):
+    """Build stage ``spec`` here; return RRefs of its parameters for the DistributedOptimizer,
+    whether it has BatchNorm layers and an RRef of the module (the master's ``RemoteModule``
+    handle), or a :class:`Failure` (see [Note: failures travel as values]). ``options``: the
+    master's Job settings that shape a stage (the job file imported here may have been
+    overridden on the master)."""
+    try:
+        device = check_device(place)
+        # Builds of two stages on one process run on two RPC threads: each seeds the global RNG and
+        # draws its initial weights from it, so they must not interleave.
+        served = current()
+        with served.build_lock:
+            module = build_stage(served.job, spec, device=device).to(device)
+    except Exception as exc:  # noqa: BLE001 - reported on the master
+        return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
+    keep = bool(options["device_maps"])
+    bn = spec.has_bn or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    if options["recompute"]:
+        make_recomputable(module)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
+    route = module.forward if spec.kind == "traced" else None  # see [Note: skip values go straight to their consumer]
+    served.hosts[(pid, spec.index)] = StageHost(pid, spec, place, module, device, next_process, keep, timeout,
+                                                autocast, bool(options["recompute"]), owners=list(options["owners"]),
+                                                deliver=options["deliver"],
+                                                mail_in=tuple(route.mail_in) if route else (),
+                                                posts=bool(route.posts) if route else False)
+    return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
+
+
+def _done(value: Any) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+@rpc.functions.async_execution
+def forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures.Future:
+    host = current().host(pid, index)
+    try:
+        y = host.run(seq, x, grad)
+    except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
+        if type(exc) is StageError:  # the gate waited out its timeout: its message says it all
+            return _done(Failure(str(exc)))
+        return _done(Failure.of(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
+                                f"{type(exc).__name__}: {exc}", exc))
+    if grad and host.reduce is not None:
+        host.reduce.watch(seq, y)
+    posted = []
+    if host.posts:  # see [Note: skip values go straight to their consumer] in rpcmp/plan/traced.py
+        y, posts = y
+        posted = [rpc.rpc_async(host.owners[j], post, args=(pid, j, seq, values)) for j, values in posts.items()]
+    if host.next_process is not None:
+        nxt = rpc.rpc_async(host.next_process, forward, args=(pid, index + 1, seq, y, grad))
+    elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
+        host.deliver(pid, seq, y)
+        nxt = _done(None)
+    else:
+        nxt = rpc.rpc_async(MASTER, host.deliver, args=(pid, seq, y))
+    if not posted:
+        return nxt
+    return torch.futures.collect_all([nxt, *posted]).then(lambda done: [f.wait() for f in done.wait()][0])
+
+
+def post(pid: int, index: int, seq: int, values: dict) -> None:
+    """Values of micro-batch ``seq`` that an earlier stage sends straight to stage ``index``."""
+    host = current().hosts.get((pid, index))
+    if host is not None:
+        host.gate.receive(seq, values)
+
+
+def merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
+    """Add context ``ctx``'s gradients into ``base_ctx``'s, for one optimizer step.
+
+    ``get_gradients`` hands out the context's own accumulated tensors, so ``add_``
+    updates what the DistributedOptimizer will read from ``base_ctx``.
+    """
+    params = named_params(pid)
+    add_grads(param_grads(params, base_ctx), param_grads(params, ctx), _whoami())
+
+
+def _reducing(pid: int) -> list[StageHost]:
+    return [h for h in sorted(current().hosts_of(pid), key=lambda h: h.spec.index) if h.reduce is not None]
+
+
+def begin_reduce(pid: int, first_seq: int, count: int, per_microbatch: bool) -> None:
+    """A training step of a copy of a replicated pipeline begins (``Job(replicas=R)``): its ``count``
+    micro-batches from ``first_seq`` on, each in its own context (``per_microbatch``) or all in one.
+    See [Note: the average overlaps the backward] in rpcmp/owner/reduce.py."""
+    served = current()
+    for host in sorted(served.hosts_of(pid), key=lambda h: h.spec.index):
+        params = {host.spec.prefix + n: p for n, p in host.module.named_parameters() if p.requires_grad}
+        if not params:
+            continue
+        _count_reduce(host)
+        host.reduce = StepReduce(params, f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}",
+                                 served.stage_groups[host.spec.index], served.job.replicas, first_seq,
+                                 count if per_microbatch else 1, hook=per_microbatch and not host.posts)
+
+
+def _count_reduce(host: StageHost) -> None:
+    """Add a finished step's average to the stage's figures."""
+    if host.reduce is not None and host.reduce.closed:
+        took, waited = host.reduce.seconds
+        host.reduced = [host.reduced[0] + host.reduce.early, host.reduced[1] + took, host.reduced[2] + waited]
+        host.reduce = None
+
+
+def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | None:
+    """The master: micro-batches up to ``upto`` (in ``contexts``) have done their whole backward."""
+    for host in _reducing(pid):
+        host.reduce.left(upto, contexts)
+        if host.reduce.error is not None:
+            return Failure.of(str(host.reduce.error), host.reduce.error)
+    return None
+
+
+def average_grads(pid: int, ctx_id: int) -> Failure | None:
+    """Average this process's gradients of the step with the copies of its stages (``Job(replicas=R)``:
+    see [Note: replicas of a pipeline] in rpcmp/master/replicas.py), into context ``ctx_id``."""
+    for host in _reducing(pid):
+        try:
+            host.reduce.average(ctx_id)
+        except StageError as exc:  # see [Note: failures travel as values]
+            return Failure.of(str(exc), exc)
+    return None
+
+
+def settle_reduce(pid: int, wait: bool) -> None:
+    """A failed step: every stage here takes part in the step's all_reduce (see rpcmp/owner/reduce.py)."""
+    for host in _reducing(pid):
+        host.reduce.settle(wait)
+
+
+def grad_sq_norm(pid: int, ctx_id: int, skip: tuple = ()) -> float:
+    """Sum of squares of this process's parameter gradients in the context (for global clipping),
+    leaving out the names in ``skip`` (copies of a shared parameter counted on another stage)."""
+    params = {p: n for p, n in named_params(pid).items() if n not in skip}
+    return float(sum(g.double().pow(2).sum() for g in param_grads(params, ctx_id).values()))
+
+
+def shared_grad(pid: int, index: int, name: str, ctx_id: int) -> torch.Tensor | None:
+    """Stage ``index``'s gradient of its parameter ``name`` in the context, or None (see [Note: a
+    parameter shared by stages] in rpcmp/master/tied.py)."""
+    param = current().host(pid, index).module.get_parameter(name)
+    grad = dist_autograd.get_gradients(ctx_id).get(param)
+    return None if grad is None else grad.detach().cpu()
+
+
+def set_shared_grad(pid: int, index: int, name: str, ctx_id: int, value: torch.Tensor) -> None:
+    param = current().host(pid, index).module.get_parameter(name)
+    dist_autograd.get_gradients(ctx_id)[param].copy_(value)
+
+
+def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
+    for g in param_grads(named_params(pid), ctx_id).values():
+        g.mul_(scale)
+
+
+def set_fields(optim_rref, fields: dict) -> None:
+    apply_fields(optim_rref.local_value().optim, fields)
+
+
+def get_fields(optim_rref) -> dict:
+    return read_fields(optim_rref.local_value().optim)
+
+
+def set_training(pid: int, index: int, mode: bool) -> None:
+    current().host(pid, index).module.train(mode)
+
+
+def resync(pid: int, index: int, next_seq: int) -> None:
+    current().host(pid, index).gate.reset(next_seq)
+
+
+def skip(pid: int, index: int, seq: int) -> None:
+    host = current().hosts.get((pid, index))
+    if host is not None:
+        host.gate.skip(seq)
+
+
+def named_params(pid: int) -> dict[torch.Tensor, str]:
+    return {p: host.spec.prefix + n for host in current().hosts_of(pid) for n, p in host.module.named_parameters()}
+
+
+def set_trace(pid: int, index: int, on: bool) -> list:
+    """Start (on) or stop tracing this stage; stopping returns the recorded slices."""
+    host = current().host(pid, index)
+    events, host.events = host.events or [], [] if on else None
+    return events
+
+
+def stats(pid: int, index: int) -> dict[str, float]:
+    host = current().host(pid, index)
+    return {"compute_s": host.compute_s, "runs": host.runs, "pid": os.getpid(),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "wall_s": time.perf_counter() - host.born, "process_cpu_s": _cpu_seconds() - host.cpu_born,
+            "mib_in": host.bytes_in / 2**20, "mib_out": host.bytes_out / 2**20,
+            **_reduce_stats(host)}
+
+
+def _reduce_stats(host: StageHost) -> dict:
+    """With replicas: steps whose average the backward started, the averages' seconds and the part waited for."""
+    _count_reduce(host)
+    early, took, waited = host.reduced
+    return {"reduced_early": early, "reduce_s": took, "reduce_wait_s": waited}
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def release(pid: int) -> None:
+    hosts = current().hosts
+    for key in [k for k in hosts if k[0] == pid]:
+        hosts.pop(key).compute.shutdown(wait=False)

@@ -1,0 +1,116 @@
+"""The owner's side of a split model's state: the RPC endpoints that read and write the
+parameters, buffers, optimizer state and RNG of the stages this process hosts, and write its
+checkpoint parts (the master's side is :class:`rpcmp.master.state.PipelineState`)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.served import current
+from .stage import named_params
+
+__all__ = ["state_meta", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
+           "load_optimizer_state", "rng_state", "set_rng_state", "save_stage"]
+
+
+def _cpu_state(host, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The stage's parameters and buffers on the CPU, keyed as in the stage (without ``copy``,
+    CPU tensors are the live ones)."""
+    return {k: v.detach().cpu().clone() if copy else v.detach().cpu() for k, v in host.module.state_dict().items()}
+
+
+def state_meta(pid: int, index: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    host = current().host(pid, index)
+    return {host.spec.prefix + k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in host.module.state_dict().items()}
+
+
+def init_from(pid: int, index: int, path: str) -> None:
+    from ..core.checkpoint import read_state_file
+    host = current().host(pid, index)
+    state = read_state_file(path)
+    host.module.load_state_dict({k: state[host.spec.prefix + k] for k in host.module.state_dict()}, strict=True)
+
+
+def load_files(pid: int, index: int, optim_rref, files: list[str]) -> None:
+    """Load this stage's keys and optimizer state from ``files``, memory-mapped. The model's values are
+    copied into the stage and their mapping dropped at once; the optimizer state stays mapped from a
+    second mapping of the file and is copied page by page as the optimizer writes it, so resuming needs
+    no more memory than training does."""
+    from ..core.checkpoint import read_part
+    host = current().host(pid, index)
+    mine = {host.spec.prefix + k: k for k in host.module.state_dict()}
+    own = {}
+    for path in files:
+        own.update({mine[k]: v for k, v in read_part(path)[0].items() if k in mine})
+    host.module.load_state_dict(own, strict=True)
+    del own  # unmaps the pages just read
+    if optim_rref is None:
+        return
+    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    optim = {}
+    for path in files:
+        optim.update({k: v for k, v in read_part(path)[1].items() if k in names})
+    load_optimizer_state(pid, optim_rref, optim, copy=False)
+
+
+def state_dict(pid: int, index: int) -> dict[str, torch.Tensor]:
+    """This stage's parameters and buffers, keyed as in the unsplit model, on the CPU."""
+    host = current().host(pid, index)
+    return {host.spec.prefix + k: v for k, v in _cpu_state(host).items()}
+
+
+def load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> None:
+    host = current().host(pid, index)
+    own = {k: state[host.spec.prefix + k] for k in host.module.state_dict() if host.spec.prefix + k in state}
+    host.module.load_state_dict(own, strict=True)
+
+
+def optimizer_state(pid: int, optim_rref, only: set[str] | None = None,
+                     copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+    """This process's optimizer state (of parameters named in ``only``, if given), keyed by
+    the unsplit model's parameter names (without ``copy``: the live tensors)."""
+    optim = optim_rref.local_value().optim
+    names = named_params(pid)
+    return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) and copy else v for k, v in st.items()}
+            for p, st in optim.state.items() if p in names and (only is None or names[p] in only)}
+
+
+def load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]], copy: bool = True) -> int:
+    """Give this process's parameters their optimizer state by name (without ``copy``, the tensors
+    themselves: memory-mapped ones are copied on write, page by page, as the optimizer updates them)."""
+    optim = optim_rref.local_value().optim
+    loaded = 0
+    for param, name in named_params(pid).items():
+        if name in states:
+            optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) and copy else v
+                                  for k, v in states[name].items()}
+            loaded += 1
+    return loaded
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generators (dropout in its stages draws from them)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_stage(pid: int, index: int, optim_rref, directory: str, step: int, keep_last: int, run: str | None) -> str:
+    """Write this stage's own checkpoint file here, on its owner (see rpcmp/core/checkpoint.py)."""
+    from ..core.checkpoint import save_stage_file
+    host = current().host(pid, index)
+    names = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    # The live tensors, not copies (the step is over and the next waits for this answer): an owner's
+    # memory does not grow by its stage while it saves.
+    return save_stage_file(directory, index, {
+        "stage": index, "name": host.spec.name, "prefix": host.spec.prefix, "owner": str(host.place), "step": step,
+        "model": _cpu_state(host, copy=False),
+        "optimizer": optimizer_state(pid, optim_rref, names, copy=False) if optim_rref is not None else {},
+    }, step, keep_last, run)

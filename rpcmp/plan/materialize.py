@@ -1,0 +1,319 @@
+"""Building a part of a model without building the whole of it.
+
+[Note: each owner materializes only its part]
+The reason to split a model is that it does not fit in one process, so no process may
+build it whole: not the master, which plans on the meta device (:func:`meta_model`: the
+structure, names and shapes, no storage), and not an owner, which allocates only the
+parameters and buffers of its stage (:func:`build_part`).
+
+An owner's values must still be those of the unsplit ``Job.model()`` built under the
+job's seed, and the model's construction draws every tensor's initial values from one
+global random stream, in construction order: stage 2's weights depend on how many
+numbers stages 0 and 1 drew. ``build_part`` therefore runs the construction twice:
+
+1. on the meta device, recording the order in which parameters and buffers are
+   registered and the names they end up with (cheap: no storage, no random numbers);
+2. for real under the job's seed, with a registration hook that lets a tensor of the
+   stage through and swaps every other one for a view of one shared scratch buffer as
+   big as the largest of them. The construction code then initializes the scratch in
+   place with the same calls on tensors of the same sizes, so it draws exactly the same
+   random numbers, and the stage's tensors get exactly their unsplit values; afterwards
+   the scratch tensors are replaced by meta tensors.
+
+Peak memory is the stage's tensors plus the largest other one. Exact for every model
+whose initialization writes a tensor in place after it is registered, or computes it
+before (``nn.Parameter(torch.randn(n) * 0.02)``), i.e. torch.nn, torchvision, timm and
+segmentation_models_pytorch. Not exact, and documented as such: an initialization of a
+kept tensor that reads the values of a tensor of another stage (it reads scratch). When
+step 1 fails on the meta device (construction code that reads a tensor's value, e.g.
+``torch.linspace(...).item()``), step 1 runs for real with every tensor on scratch.
+
+[Note: every tensor a stage reads]
+``state_dict()`` is not all of a module's state, and a traced stage reads more than its
+parameters: non-persistent buffers (RoPE's ``inv_freq``, causal masks), constants the trace
+lifted (a plain tensor attribute), parameters shared with another stage (a tied head), and
+tensors its graph creates on a device the trace recorded. An owner gives each of them the
+unsplit model's value, by name: parameters and buffers, persistent or not, from
+:func:`build_part` (the construction makes non-persistent buffers as it makes the rest, and
+:func:`keep_persistence` keeps them out of ``state_dict`` as the plain model does); constants
+from the same construction, by their attribute path; the device in the graph from the owner
+(see [Note: a traced graph names the device it was traced on] in :mod:`rpcmp.plan.traced`). Then
+:func:`check_materialized` walks the stage's tensors and graphs and refuses, by name, anything
+on the meta device, a graph that would still create tensors there, and a parameter holding NaN
+(memory nothing wrote), so a stage never runs on memory without a value. ``rpcmp plan --check``
+compares every value with the unsplit model's (:mod:`rpcmp.cli.commands.check`).
+"""
+from __future__ import annotations
+
+import gc
+import threading
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import PartitionError
+
+__all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "tensor_table", "set_tensor", "attach_tensor",
+           "graph_constants", "attribute", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
+
+_LOCAL = threading.local()  # the registration hooks act only in the thread that builds
+
+
+def build_whole(job) -> nn.Module:
+    """``job.model()`` built under ``job.seed``: the unsplit model, all of it, for real."""
+    return _construct(job)
+
+
+def _construct(job) -> nn.Module:
+    if job.model is None:
+        raise PartitionError("stages given by name, Split or SplitAt need Job(model=<factory>) to build the model from")
+    torch.manual_seed(job.seed)
+    model = job.model()
+    if not isinstance(model, nn.Module):
+        raise PartitionError(f"Job(model=...) must return an nn.Module, got {type(model).__name__}")
+    return model
+
+
+def meta_model(job) -> nn.Module:
+    """``job.model()`` with every parameter and buffer on the meta device."""
+    return _record(job)[0]
+
+
+def tensor_names(model: nn.Module) -> dict[int, list[str]]:
+    """id of every parameter and buffer -> every name it has in ``model`` (tied ones have several)."""
+    names: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(t), []).append(name)
+    return names
+
+
+def set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Put ``value`` in place of the parameter or buffer called ``name`` (qualified) in ``module``."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
+
+
+def tensor_table(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` under each of its names (tied ones under all)."""
+    return {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+
+
+def attach_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Register ``value`` as the parameter or buffer ``name`` of ``module``, making the empty
+    submodules its path needs (a tensor no traced graph reads, see [Note: parameters forward does not use])."""
+    *path, leaf = name.split(".")
+    owner = module
+    for part in path:
+        if not hasattr(owner, part):
+            owner.add_module(part, nn.Module())
+        owner = getattr(owner, part)
+    if isinstance(value, nn.Parameter):
+        owner.register_parameter(leaf, value)
+    else:
+        owner.register_buffer(leaf, value)
+
+
+def graph_constants(module: nn.Module) -> list[str]:
+    """Qualified names of the tensors ``module``'s graphs read that are neither parameters nor
+    buffers: constants the trace lifted (a plain tensor attribute, a tensor ``forward`` made)."""
+    from .traced import graphs
+    held = set(tensor_table(module))
+    found = []
+    for prefix, _, graph in graphs(module):
+        for node in graph.nodes:
+            name = f"{prefix}.{node.target}" if prefix else str(node.target)
+            if node.op == "get_attr" and name not in held and isinstance(attribute(module, name), torch.Tensor):
+                found.append(name)
+    return found
+
+
+def attribute(obj, name: str):
+    """``obj``'s attribute at the dotted path ``name``, None where the path ends."""
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def read_constant(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The value of constant ``name`` in the built model, if it is a real tensor there."""
+    value = attribute(model, name)
+    return value if isinstance(value, torch.Tensor) and not value.is_meta else None
+
+
+def set_constant(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner_name) if owner_name else module, leaf, value)
+
+
+def keep_persistence(model: nn.Module, modules) -> None:
+    """Buffers that are not in ``model``'s ``state_dict`` (RoPE's ``inv_freq``, a causal mask) stay
+    out of the stages' too: their values come from the construction, not from checkpoints."""
+    transient = {f"{p}.{b}" if p else b for p, m in model.named_modules() for b in m._non_persistent_buffers_set}
+    for module in modules:
+        for name, _ in module.named_buffers(remove_duplicate=False):
+            if name in transient:
+                owner_name, _, leaf = name.rpartition(".")
+                (module.get_submodule(owner_name) if owner_name else module)._non_persistent_buffers_set.add(leaf)
+
+
+def check_materialized(modules: dict[str, nn.Module], where: str) -> None:
+    """Refuse, by name, a built stage that would read a tensor with no value: a parameter, buffer or
+    constant left on the meta device, a graph that creates tensors on the meta device, or a
+    parameter holding NaN (memory that was never written). See [Note: every tensor a stage reads]."""
+    from .traced import graph_devices
+    on_meta, nan, nodes = [], [], []
+    for kind, module in modules.items():
+        seen = set()
+        for name, t in [*tensor_table(module).items(), *((n, attribute(module, n)) for n in graph_constants(module))]:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if t.is_meta:
+                on_meta.append(name)
+            elif isinstance(t, nn.Parameter) and t.is_floating_point() and torch.isnan(t).any():
+                nan.append(name)
+        nodes += [f"{n} ({kind} graph)" for n, d in graph_devices(module).items() if d.startswith("meta")]
+    wrong = [f"{what}: {_some(names)}" for what, names in (("graph nodes that create tensors on the meta device", nodes),
+                                                            ("on the meta device", on_meta), ("holding NaN", nan)) if names]
+    if wrong:
+        raise PartitionError(f"{where} has tensors without their unsplit values: {'; '.join(wrong)}. Run "
+                             f"`rpcmp plan JOB --check` to compare the stages with the unsplit model")
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    names = sorted(set(names))
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+class _Hooks:
+    """The global registration hooks, active in this thread only while the ``with`` block runs."""
+
+    def __init__(self, on_tensor: Callable):
+        self.on_tensor = on_tensor
+
+    def __enter__(self):
+        _LOCAL.active = self.on_tensor
+        self.handles = [nn.modules.module.register_module_parameter_registration_hook(_hook),
+                        nn.modules.module.register_module_buffer_registration_hook(_hook)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        _LOCAL.active = None
+
+
+def _hook(module, name, tensor):
+    on_tensor = getattr(_LOCAL, "active", None)
+    if on_tensor is None or tensor is None or isinstance(tensor, nn.parameter.UninitializedTensorMixin):
+        return None
+    return on_tensor(tensor)
+
+
+def _record(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]:
+    """Step 1: the model on the meta device and, for each registration in order, the final
+    names of the registered tensor (none if it was replaced later), its shape and dtype."""
+    order: list[torch.Tensor] = []
+
+    def note(t):
+        order.append(t)
+
+    scratch = _Scratch()
+    try:
+        with _Hooks(note), torch.device("meta"):
+            model = _construct(job)
+    except PartitionError:
+        raise
+    except Exception:  # noqa: BLE001 - construction that needs real values: see the Note
+        order.clear()
+
+        def on_scratch(t):
+            order.append(scratch.take(t))
+            return order[-1]
+        with _Hooks(on_scratch):
+            model = _construct(job)
+        scratch.release()
+    # every tensor to meta, also those made on the CPU despite the meta default (``torch.Tensor(n)``)
+    model = _to_meta(model, scratch, everything=True)
+    order = [scratch.meta_of.get(id(t), t) for t in order]
+    names = tensor_names(model)
+    return model, [(names.get(id(t), []), tuple(t.shape), t.dtype) for t in order]
+
+
+def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
+    """``job.model()`` built under ``job.seed`` where every parameter and buffer whose name
+    ``keep`` accepts holds its unsplit value and every other one is on the meta device."""
+    _, order = _record(job)
+    others = [(shape, dtype) for names, shape, dtype in order if not any(keep(n) for n in names)]
+    scratch = _Scratch({d: max((_numel(s) for s, dd in others if dd == d), default=0) for _, d in others})
+    seen = iter(order)
+
+    def place(t):
+        names, shape, dtype = next(seen, ([], None, None))
+        if shape != tuple(t.shape) or dtype != t.dtype:
+            raise PartitionError(
+                f"building {job.source or 'the model'} twice registered different tensors ({shape}, {dtype} the first "
+                f"time, {tuple(t.shape)}, {t.dtype} the second): the model's construction is not deterministic, so "
+                f"an owner cannot build its part alone. Build the same model for the same seed, or declare the "
+                f"stages as modules")
+        return t if any(keep(n) for n in names) else scratch.take(t)
+
+    with _Hooks(place):
+        model = _construct(job)
+    scratch.release()
+    model = _to_meta(model, scratch)
+    gc.collect()  # scratch views the construction left in reference cycles: their buffer goes now, not later
+    return model
+
+
+class _Scratch:
+    """Views of one buffer per dtype, handed out in place of tensors nobody keeps."""
+
+    def __init__(self, sizes: dict[torch.dtype, int] | None = None):
+        self.buffers = {d: torch.empty(n, dtype=d) for d, n in (sizes or {}).items() if n}
+        self.given: dict[int, torch.Tensor] = {}  # id of a scratch tensor -> it
+        self.meta_of: dict[int, torch.Tensor] = {}
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        if id(t) in self.given:  # tied: registered again under another name
+            return t
+        n = _numel(t.shape)
+        buf = self.buffers.get(t.dtype)
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[t.dtype] = torch.empty(max(n, 1), dtype=t.dtype)
+        view = buf[:n].view(t.shape)
+        out = nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else view
+        self.given[id(out)] = out
+        return out
+
+    def release(self) -> None:
+        self.buffers.clear()
+
+
+def _to_meta(model: nn.Module, scratch: _Scratch, everything: bool = False) -> nn.Module:
+    """Replace every scratch tensor (every tensor, if ``everything``) by a meta tensor of its shape."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is None or (not everything and id(t) not in scratch.given):
+                    continue
+                if id(t) not in done:
+                    meta = torch.empty_like(t, device="meta")
+                    done[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                    scratch.meta_of[id(t)] = done[id(t)]
+                table[name] = done[id(t)]
+    scratch.given.clear()
+    return model
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -1,0 +1,362 @@
+"""Stage declaration: how a model is cut into stages.
+
+Three forms are accepted as ``Job(stages=...)``:
+
+* names of submodules in forward order: ``["encoder", "decoder", "segmentation_head"]``
+  (an item may itself be a list of names, run one after the other in one stage);
+* an explicit list of modules or zero-argument module factories;
+* :class:`Split` for an ``nn.Sequential``: a balance (``Split([3, 5, 2])``) or an
+  automatic one (``Split(parts=3, by="params")`` / ``by="time"``).
+
+The master turns the declaration into small picklable :class:`StageSpec` records
+(:func:`plan_stages`); each owner builds only its own stage from its own import of the
+job (:func:`build_stage`), so no process needs to ship modules over the wire.
+
+A stage is called with one argument, the previous stage's output.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+import torch.utils._pytree as pytree
+
+from .balance import balance_by_params, balance_by_time
+from .chain import check_chain
+from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
+                          meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
+from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, forget_trace, from_example,
+                     place_graph, stage_module, trace_split)
+from .lengths import input_sizes
+from ..errors import PartitionError
+
+__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Cut an ``nn.Sequential`` model into contiguous stages.
+
+    ``Split([3, 5, 2])`` gives the layers per stage; ``Split(parts=3, by="params")``
+    or ``by="time"`` balances automatically (``time`` profiles every layer once on a
+    sample batch, in the master process).
+    """
+
+    balance: Sequence[int] | None = None
+    parts: int | None = None
+    by: str = "params"
+
+    def __post_init__(self):
+        if (self.balance is None) == (self.parts is None):
+            raise PartitionError(
+                f"Split expects exactly one of balance=[...] or parts=N, got balance={self.balance!r}, "
+                f"parts={self.parts!r}: e.g. Split([3, 5, 2]) or Split(parts=3, by='params')"
+            )
+        if self.balance is not None:
+            bad = [b for b in self.balance if not isinstance(b, int) or b < 1]
+            if not self.balance or bad:
+                raise PartitionError(
+                    f"Split balance must be a non-empty list of positive layer counts, got {list(self.balance)!r}"
+                )
+        if self.by not in ("params", "time"):
+            raise PartitionError(f"Split(by=...) expects 'params' or 'time', got {self.by!r}")
+
+    @property
+    def count(self) -> int:
+        return len(self.balance) if self.balance is not None else int(self.parts)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What an owner needs to build one stage: everything here is small and picklable."""
+
+    index: int
+    name: str
+    kind: str  # "names" | "modules" | "slice"
+    names: tuple[str, ...] = ()
+    start: int = 0
+    stop: int = 0
+    prefix: str = ""  # key prefix of this stage's state_dict in the unsplit model's
+    total: int = 0  # "slice": layers the whole nn.Sequential must have (sum of the balance)
+    example: Any = None  # "traced": shapes and dtypes of the micro-batch the owner traces with
+    has_bn: bool = False  # "traced": the model has BatchNorm (a traced graph holds no BatchNorm modules)
+    unused: tuple[str, ...] = ()  # "traced": tensors no graph reads, kept here (see [Note: parameters forward does not use])
+    tied: tuple[tuple[str, str], ...] = ()  # (name here, the unsplit model's first name) of parameters other stages share
+    sizes: tuple = ()  # "traced": per input tensor, each dimension's size where the graph fixes it, else None
+
+
+def declaration_kind(stages: Any) -> str:
+    if isinstance(stages, Split):
+        return "slice"
+    if isinstance(stages, SplitAt):
+        return "traced"
+    if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or len(stages) == 0:
+        raise PartitionError(
+            f"stages must be a non-empty list of submodule names, of modules / factories, or a "
+            f"Split(...), got {stages!r}: e.g. stages=['encoder', 'decoder', 'segmentation_head']"
+        )
+    if all(isinstance(s, str) or (isinstance(s, (list, tuple)) and s and all(isinstance(n, str) for n in s))
+           for s in stages):
+        return "names"
+    if all(isinstance(s, nn.Module) or callable(s) for s in stages):
+        return "modules"
+    raise PartitionError(
+        f"stages mixes kinds ({[type(s).__name__ for s in stages]}): use only names, or only modules/factories"
+    )
+
+
+def plan_stages(job, sample: Any = None) -> list[StageSpec]:
+    """Resolve ``job.stages`` into :class:`StageSpec` records (master side)."""
+    stages = job.stages
+    kind = declaration_kind(stages)
+    if kind == "names":
+        specs = []
+        for i, item in enumerate(stages):
+            names = (item,) if isinstance(item, str) else tuple(item)
+            prefix = f"{names[0]}." if len(names) == 1 else ""
+            specs.append(StageSpec(i, "+".join(names), "names", names=names, prefix=prefix))
+        flat = [n for s in specs for n in s.names]
+        dup = sorted({n for n in flat if flat.count(n) > 1})
+        if dup:
+            raise PartitionError(f"each submodule may appear in one stage only, got {dup} more than once")
+        model = meta_model(job)  # see [Note: each owner materializes only its part]
+        _check_names(model, flat)
+        if not isinstance(model, nn.Sequential):  # see [Note: a chain of children is the model only if forward is that chain]
+            if sample is None:
+                raise PartitionError(
+                    f"stages given by name are checked against {type(model).__name__}.forward on one sample batch, "
+                    f"but the job has no data: give Job(data=...), or declare the stages as modules or a Split")
+            check_chain(model, flat, _on_meta(sample))
+        return _with_shared(model, specs)
+    if kind == "modules":
+        return [StageSpec(i, _label(s), "modules", prefix=f"{i}.") for i, s in enumerate(stages)]
+    if kind == "traced":
+        return _plan_traced(job, sample)
+    balance = list(stages.balance) if stages.balance is not None else None
+    model = meta_model(job)
+    if balance is None:
+        if stages.by == "params":
+            balance = balance_by_params(_as_sequential(model), stages.parts)
+        else:  # timing needs real layers: the master builds the model (documented at Split)
+            if sample is None:
+                raise PartitionError("Split(by='time') needs a sample batch: give the job data=... so one can be drawn")
+            balance = balance_by_time(_as_sequential(_build_model(job)), stages.parts, sample)
+    specs, start = [], 0
+    for i, n in enumerate(balance):
+        specs.append(StageSpec(i, f"layers[{start}:{start + n}]", "slice", start=start, stop=start + n,
+                               total=sum(balance)))
+        start += n
+    return _with_shared(model, specs)
+
+
+def _with_shared(model: nn.Module, specs: list[StageSpec]) -> list[StageSpec]:
+    """``specs`` of a names or slice declaration with the parameters their stages share."""
+    every = tensor_table(model)
+    held = [{n for n in every if n.startswith(_heads(s))} for s in specs]
+    return [replace(s, tied=tuple((name[len(s.prefix):], key) for name, key in t))
+            for s, t in zip(specs, _shared(model, held))]
+
+
+def _heads(spec: StageSpec) -> tuple[str, ...]:
+    """Name prefixes of the unsplit model's tensors that a names or slice stage holds."""
+    return tuple(f"{n}." for n in spec.names) if spec.kind == "names" else \
+        tuple(f"{i}." for i in range(spec.start, spec.stop))
+
+
+def build_stage(job, spec: StageSpec, meta: bool = False, device: torch.device | str | None = None) -> nn.Module:
+    """Build the module of one stage (owner side) and no more of the model: its values are
+    those of the unsplit model built with ``torch.manual_seed(job.seed)`` (see [Note: each
+    owner materializes only its part]). ``meta``: its structure only, on the meta device; ``device``:
+    where the stage will run (a traced graph creates tensors there)."""
+    if spec.kind == "traced":  # see [Note: split points on the traced model]
+        return _build_traced(job, spec, meta, device)
+    if meta and spec.kind != "modules":
+        return _pick(job, spec, meta_model(job))
+    if spec.kind == "modules":
+        torch.manual_seed(job.seed)
+        item = job.stages[spec.index]
+        module = item if isinstance(item, nn.Module) else item()
+        if not isinstance(module, nn.Module):
+            raise PartitionError(f"stage {spec.index} factory {_label(item)} returned {type(module).__name__}, expected an nn.Module")
+        return module.to("meta") if meta else module
+    heads = _heads(spec)
+    return _pick(job, spec, build_part(job, lambda key: key.startswith(heads)))
+
+
+def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
+    """Stage ``spec`` of ``model`` (a names or slice declaration)."""
+    if spec.kind == "names":
+        _check_names(model, _all_names(job))
+        if len(spec.names) == 1:
+            return getattr(model, spec.names[0])
+        # keep the submodule names so that state_dict keys match the unsplit model's
+        return nn.Sequential(OrderedDict((n, getattr(model, n)) for n in spec.names))
+    seq = _as_sequential(model)
+    if spec.total != len(seq):
+        raise PartitionError(
+            f"model and sum of balance have different length (model: {len(seq)} layers, "
+            f"sum of balance: {spec.total}): make the balance add up to {len(seq)}"
+        )
+    return seq[spec.start:spec.stop]
+
+
+def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device | str | None = None) -> nn.Module:
+    """Trace the model on the meta device as the master did, then give this stage, and only it,
+    the unsplit model's values: every tensor its graphs read (see [Note: every tensor a stage reads])."""
+    example = from_example(spec.example, "meta")
+    pipes = [trace_split(meta_model(job), job.stages, example), trace_split(meta_model(job).eval(), job.stages, example)]
+    if not meta:
+        for pipe in pipes:  # see [Note: a traced graph names the device it was traced on]
+            place_graph(pipe, spec.index, torch.device(device or "cpu"))
+    stage = stage_module(pipes[0], spec.index)
+    evaluated = attach_eval(stage, pipes[1], spec.index)
+    if meta:
+        meta_values = tensor_table(meta_model(job)) if spec.unused else {}
+        for name in spec.unused:
+            attach_tensor(stage, name, meta_values[name])
+        return stage
+    names = {m: {n for names in tensor_names(m).values() for n in names} for m in (stage, evaluated)}
+    constants = {m: graph_constants(m) for m in (stage, evaluated)}
+    model = build_part(job, (names[stage] | names[evaluated] | set(spec.unused)).__contains__)
+    values = tensor_table(model)
+    for module, mine in names.items():  # one set of tensors for both graphs
+        for name in mine:
+            set_tensor(module, name, values[name])
+        for name in constants[module]:
+            value = read_constant(model, name)
+            if value is not None:
+                set_constant(module, name, value.to(device or "cpu"))
+    for name in spec.unused:  # see [Note: parameters forward does not use]
+        attach_tensor(stage, name, values[name])
+    keep_persistence(model, (stage, evaluated))
+    check_materialized({"train": stage, "eval": evaluated}, f"stage {spec.index} ({spec.name})")
+    forget_trace((stage, evaluated))
+    return stage
+
+
+def _on_meta(sample: Any) -> Any:
+    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
+
+
+def _plan_traced(job, sample: Any) -> list[StageSpec]:
+    """Trace the model once on the master: how many stages the cuts give, and what the owners trace with."""
+    from ..core.microbatch import scatter
+    if sample is None:
+        raise PartitionError("SplitAt traces the model on one batch, but the job has no data: give Job(data=...) "
+                             "or Pipeline(..., sample=batch)")
+    example = _on_meta(scatter(sample, job.microbatches)[0])
+    model = meta_model(job)  # see [Note: each owner materializes only its part]
+    pipe = trace_split(model, job.stages, example)
+    held = [set(tensor_table(pipe.get_stage_module(i))) for i in range(pipe.num_stages)]
+    every = tensor_table(model)
+    strange = sorted(set().union(*held) - set(every))
+    if strange:  # the promise of SplitAt: the unsplit model's names
+        raise PartitionError(f"SplitAt: the traced stages hold tensors {type(model).__name__} has no name for "
+                             f"({strange[:5]}{'...' if len(strange) > 5 else ''}): tensors its forward creates and "
+                             f"keeps between calls, which a stage cannot hand on. {_cache_hint(model)}")
+    unused = _place_unused(model, held)
+    tied = _shared(model, [h | set(u) for h, u in zip(held, unused)])
+    check_any_batch_size(pipe, example)
+    evaluated = trace_split(meta_model(job).eval(), job.stages, example)  # see [Note: a traced stage in eval mode]
+    check_same_cut(pipe, evaluated)
+    check_any_batch_size(evaluated, example)
+    bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
+    return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
+                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i],
+                      sizes=input_sizes(pipe, example))
+            for i in range(pipe.num_stages)]
+
+
+def _cache_hint(model: nn.Module) -> str:
+    """The setting to change when a Hugging Face model's key-value cache is what the trace kept."""
+    cached = [n for n, m in model.named_modules() if getattr(getattr(m, "config", None), "use_cache", False)]
+    if cached:
+        where = f"self.{cached[0]}" if cached[0] else "the model"
+        return (f"{where} has config.use_cache=True: its key-value cache is such a tensor. Build it with "
+                f"use_cache=False in its config (or call it with use_cache=False); a pipeline trains without a cache")
+    return "Keep such state out of forward, or declare the stages another way"
+
+
+def _place_unused(model: nn.Module, held: list[set[str]]) -> list[list[str]]:
+    """Where each parameter or buffer that no stage graph reads goes.
+
+    [Note: parameters forward does not use]
+    A traced stage holds what its graph reads; a tensor ``forward`` never reads (a pooler, a
+    positional table another configuration uses) is in no graph, yet it is part of the model and
+    of its ``state_dict``. It is kept, with the stage that holds the same tensor under another
+    name (a tied alias), else with the stage that holds its nearest relative by name (its module's
+    other tensors), else with the first stage; it gets no gradient, so no optimizer moves it, and
+    checkpoints carry it as the plain model's do."""
+    names = tensor_names(model)
+    placed: list[list[str]] = [[] for _ in held]
+    for group in names.values():
+        for name in group:
+            if any(name in h for h in held):
+                continue
+            twin = next((i for i, h in enumerate(held) if any(n in h for n in group)), None)
+            placed[twin if twin is not None else _nearest(name, held)].append(name)
+    return placed
+
+
+def _nearest(name: str, held: list[set[str]]) -> int:
+    def common(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(a.split("."), b.split(".")):
+            if x != y:
+                break
+            n += 1
+        return n
+    scores = [max((common(name, h) for h in names), default=0) for names in held]
+    return scores.index(max(scores)) if max(scores) else 0
+
+
+def _shared(model: nn.Module, held: list[set[str]]) -> list[tuple[tuple[str, str], ...]]:
+    """For each stage: (its name, the unsplit model's first name) of every parameter it shares with
+    another stage (see [Note: a parameter shared by stages] in rpcmp/master/tied.py)."""
+    params = {id(p) for p in model.parameters()}
+    out: list[list[tuple[str, str]]] = [[] for _ in held]
+    for key, group in tensor_names(model).items():
+        holders = {i: next(n for n in group if n in h) for i, h in enumerate(held) if any(n in h for n in group)}
+        if key in params and len(holders) > 1:
+            for i, name in holders.items():
+                out[i].append((name, group[0]))
+    return [tuple(t) for t in out]
+
+
+def _check_names(model: nn.Module, names: list[str]) -> None:
+    children = [n for n, _ in model.named_children()]
+    for name in names:
+        if name not in children:
+            raise PartitionError(f"{type(model).__name__} has no submodule {name!r}; valid names, in order: {children}")
+    order = [children.index(n) for n in names]
+    if order != sorted(order):
+        raise PartitionError(f"stage names must follow the model's submodule order {children}, got {names}")
+
+
+def _all_names(job) -> list[str]:
+    return [n for item in job.stages for n in ((item,) if isinstance(item, str) else item)]
+
+
+def _build_model(job) -> nn.Module:
+    """The whole model, for real (only ``Split(by="time")`` needs it: it times the layers)."""
+    return build_whole(job)
+
+
+def _as_sequential(model: nn.Module) -> nn.Sequential:
+    if not isinstance(model, nn.Sequential):
+        raise PartitionError(
+            f"Split(...) cuts an nn.Sequential, got {type(model).__name__}: declare stages by "
+            f"submodule names instead, or return an nn.Sequential from the model factory"
+        )
+    return model
+
+
+def _label(item: Any) -> str:
+    if isinstance(item, nn.Module):
+        return type(item).__name__
+    return getattr(item, "__name__", type(item).__name__)

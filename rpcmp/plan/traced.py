@@ -1,0 +1,400 @@
+"""Split points on the traced model: ``stages=rpcmp.SplitAt("layer2", "layer4")``.
+
+[Note: split points on the traced model]
+Most models are not a chain of their children: ``forward`` holds functional ops,
+``flatten``, residual adds and skip connections. ``SplitAt`` cuts the model's *traced
+graph* instead, with the front end of ``torch.distributed.pipelining``: ``pipeline()``
+traces ``forward`` with ``torch.export`` on one micro-batch and cuts the graph before
+each named submodule (or at ``pipe_split()`` markers in ``forward`` when no name is
+given). Each stage is the graph between two cuts, so every operation of ``forward`` is
+in exactly one stage; a value a later stage needs (a Unet's skip features, a residual
+stream) is handed along; parameters and buffers keep the unsplit model's names, so
+``state_dict()`` and every checkpoint load into the plain model with ``strict=True``.
+rpcmp's own runtime runs the stages (not pipelining's schedules): the master traces the
+model on the meta device to plan; each owner traces it the same way, on the meta device too,
+and gives its own stage, and only it, the unsplit model's values (see [Note: each owner
+materializes only its part] in :mod:`rpcmp.plan.materialize`). Tracing needs a batch: the job's
+data, or ``Pipeline(sample=...)``. What ``torch.export`` cannot trace (data-dependent control
+flow) is refused with its message and the way out.
+
+[Note: a traced stage in eval mode]
+``torch.export`` records the graph of the mode the model is in: traced in train mode, a
+BatchNorm layer normalises with batch statistics and updates its running ones, and
+dropout drops, whatever ``.eval()`` says later, so held-out evaluation and ``rpcmp
+predict`` would run the training graph: other outputs, and running statistics that
+evaluation changes (figures: benchmarks/PERFORMANCE.md, design measurements). So the model is traced twice, in train and in eval
+mode; each stage holds both graphs over the same parameters and buffers and runs the
+one of its mode (:func:`attach_eval`). Both must cut the model alike
+(:func:`check_same_cut`).
+
+[Note: any batch size]
+A stage runs micro-batches, a smaller last micro-batch, whole batches (BatchNorm) and
+evaluation batches, but ``pipeline()`` exports with the shapes of the one micro-batch it is
+given, and a graph that reshapes by the batch size (``nn.MultiheadAttention`` does) then
+holds that size as a constant. So rpcmp exports with dimension 0 of every input dynamic
+(``torch.export.Dim``); the sizes the graph derives from it travel between stages as 0-dim
+tensors (every value on the wire is a tensor) and become ints again in the stage that uses
+them (:class:`_Route`). A model that does fix its batch size is traced with static shapes
+and refused by :func:`check_any_batch_size` before any process starts. Export cannot make a
+dimension of size 1 dynamic, so a one-sample micro-batch is traced as two.
+
+Dimension 1 (tokens, time) is traced as dynamic too: see [Note: any sequence length] in
+:mod:`rpcmp.plan.lengths`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from ..errors import PartitionError
+
+__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "graphs", "forget_trace", "attach_eval",
+           "check_same_cut", "run_stages", "check_any_batch_size", "example_of", "from_example"]
+
+
+@dataclass(frozen=True)
+class SplitAt:
+    """Cut the traced model before each named submodule (qualified names: ``"encoder.layer3"``);
+    with no names, at the ``torch.distributed.pipelining.pipe_split()`` calls in ``forward``."""
+
+    points: tuple[str, ...] = ()
+
+    def __init__(self, *points: str):
+        bad = [p for p in points if not isinstance(p, str) or not p]
+        if bad:
+            raise PartitionError(f"SplitAt takes submodule names, e.g. SplitAt('layer2', 'layer4'), got {bad!r}")
+        object.__setattr__(self, "points", tuple(points))
+
+    @property
+    def count(self) -> int:
+        """Stages the named cuts give (with ``pipe_split()`` markers instead: known once traced)."""
+        return len(self.points) + 1
+
+
+def example_of(batch: Any) -> tuple:
+    """A picklable description (shapes and dtypes) of one micro-batch, to trace with on an owner."""
+    leaves, spec = pytree.tree_flatten(batch)
+    return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves], spec
+
+
+def from_example(example: tuple, device: str = "cpu") -> Any:
+    leaves, spec = example
+    return pytree.tree_unflatten([torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+                                  for shape, dtype in leaves], spec)
+
+
+def trace_split(model: nn.Module, split: SplitAt, sample: Any):
+    """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``
+    with a dynamic batch size where the model allows it (see [Note: any batch size])."""
+    from torch.distributed.pipelining import SplitPoint
+    names = {n for n, _ in model.named_modules() if n}
+    missing = [p for p in split.points if p not in names]
+    if missing:
+        tops = [n for n, _ in model.named_children()]
+        raise PartitionError(f"SplitAt: {type(model).__name__} has no submodule {missing}; its children, in order: {tops} "
+                             f"(deeper ones by qualified name, e.g. '{tops[0]}.<child>')" if tops else "")
+    spec = {p: SplitPoint.BEGINNING for p in split.points} or None
+    # export cannot make a dimension of size 1 dynamic: trace a one-sample micro-batch as two
+    sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
+                             else t, sample)
+    try:
+        return _pipeline(model, split, spec, sample)
+    except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
+        exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
+        raise PartitionError(
+            f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
+            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}. Data-dependent control flow "
+            f"(an `if` on a tensor's values) cannot be traced: use torch.cond, move it into one stage's module and "
+            f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
+
+
+def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
+    from torch.distributed.pipelining import pipeline
+    from torch.distributed.pipelining._IR import Pipe
+    try:
+        with _dynamic_batch(Pipe):
+            return pipeline(model, mb_args=(sample,), split_spec=spec)
+    except Exception:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
+        for point in split.points:  # pipeline() leaves the split points' forward wrapped
+            for attr in ("forward", "_orig_forward"):
+                model.get_submodule(point).__dict__.pop(attr, None)
+        return pipeline(model, mb_args=(sample,), split_spec=spec)
+
+
+@contextlib.contextmanager
+def _dynamic_batch(pipe_cls):
+    """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
+    input dynamic instead (see [Note: any batch size])."""
+    plain = pipe_cls.__dict__["_trace_with_export"]
+
+    def trace(mod, example_args, example_kwargs=None):
+        batch = torch.export.Dim("batch")
+        shapes = pytree.tree_map(lambda t: _dims(t, batch) if isinstance(t, torch.Tensor) and t.dim() else None,
+                                 example_args)
+        return torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
+    pipe_cls._trace_with_export = staticmethod(trace)
+    try:
+        yield
+    finally:
+        pipe_cls._trace_with_export = plain
+
+
+def _dims(t: torch.Tensor, batch) -> dict:
+    """Dimension 0 is the batch; dimension 1 (tokens, time) is dynamic where the model allows it
+    (``Dim.AUTO``: export keeps it static where the model fixes it, see [Note: any sequence length])."""
+    return {0: batch, 1: torch.export.Dim.AUTO} if t.dim() >= 2 and t.shape[1] > 1 else {0: batch}
+
+
+class _Route:
+    """Runs one traced stage inside rpcmp's stage-to-stage chain.
+
+    [Note: skip values go straight to their consumer]
+    The split graph may hand a value to a stage further on (a Unet encoder's features reach
+    the decoder, two stages later). A value the next stage does not read goes from the stage
+    that makes it straight to every later stage that reads it, as a separate message
+    (``posts``, ``rpcmp.owner.stage.post``), which the consumer waits for (``mail_in``) before it runs
+    that micro-batch; distributed autograd sends its gradient back the same way. A value the
+    next stage reads travels on the chain (``chain_out``) and is passed on by the stages
+    between, up to its last reader. That keeps each value's gradient terms summed in the
+    order the unsplit model sums them: for the Unet cut inside its encoder, the deepest skip
+    feature is read by the middle stage (layer3: two terms) and by the decoder (one more);
+    sent straight to the decoder, its three terms were summed as (c + d) + b instead of
+    (b + c) + d, float32-equal but not bit-equal, and three Adam steps made that 3e-5 in the
+    loss. On one machine the route does not show in step time; what crosses the middle
+    stage's links does, about eight times less with this rule (the encoder's two largest
+    feature maps, which the middle stage does not read, go straight), which on a network
+    is the difference (figures: benchmarks/PERFORMANCE.md, design measurements).
+
+    A routed stage is called with ``x`` (the chain value), or ``(x, mail)`` when it reads
+    mail, and returns its chain value, or ``(value, {stage: {name: tensor}})`` when it posts.
+    """
+
+    def __init__(self, forward, route: dict, first: bool, last: bool, sizes: set[str]):
+        self.forward, self.first, self.last, self.sizes = forward, first, last, sizes
+        self.module, self.eval_forward = None, None  # see [Note: a traced stage in eval mode]
+        self.chain_in, self.mail_in, self.args = route["chain_in"], route["mail_in"], route["args"]
+        self.produced, self.chain_out, self.posts = route["produced"], route["chain_out"], route["posts"]
+
+    def __call__(self, x):
+        mail = {}
+        if self.mail_in:
+            x, mail = x
+        if self.first:  # the model's input: the graph's inputs are its leaves (a dict's, a tuple's), in order
+            given = pytree.tree_leaves(x)
+        else:  # what the stage before passed on: a tuple of values, or the one value
+            given = x if len(self.chain_in) != 1 else (x,)
+        values = {**dict(zip(self.chain_in, given)), **mail}
+        forward = self.forward if self.module is None or self.module.training else self.eval_forward
+        out = forward(*(int(values[a]) if a in self.sizes else values[a] for a in self.args))
+        for name, index in self.produced.items():
+            values[name] = out if index is None else out[index]
+        out = tuple(_wire(values[n]) for n in self.chain_out)
+        out = out[0] if len(out) == 1 and (self.last or len(self.chain_out) == 1) else out
+        if not self.posts:
+            return out
+        return out, {j: {n: _wire(values[n]) for n in names} for j, names in self.posts.items()}
+
+
+def _wire(value):
+    """Sizes the graph computed from the dynamic batch size travel as tensors, as every stage output."""
+    return torch.tensor(value) if isinstance(value, int) else value
+
+
+def run_stages(stages: list[nn.Module], x: Any) -> Any:
+    """Run routed stages one after another in this process, mail included (checks and tests)."""
+    mail: dict[int, dict] = {}
+    for i, stage in enumerate(stages):
+        route = stage.forward
+        x = stage((x, mail.pop(i, {})) if route.mail_in else x)
+        if route.posts:
+            x, posts = x
+            for j, values in posts.items():
+                mail.setdefault(j, {}).update(values)
+    return x
+
+
+def _split_graph(pipe) -> tuple[list, dict[str, tuple], list[str]]:
+    """The split graph read once: its stage calls, where every value comes from (name ->
+    (stage, index in its output, None for the whole output, or ("input", k) for the model's
+    k-th input, made available at stage 0)) and the names of the model's outputs."""
+    graph = pipe.split_gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target.startswith("submod_")]
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    source = {n.name: (0, ("input", k)) for k, n in enumerate(inputs)}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.args and n.args[0] in calls:
+            source[n.name] = (calls.index(n.args[0]), n.args[1])
+    for i, c in enumerate(calls):
+        if any(u.op != "call_function" for u in c.users):  # the output used whole
+            source[c.name] = (i, None)
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    return calls, source, [a.name for a in pytree.tree_leaves(out_node.args) if hasattr(a, "name")]
+
+
+def _routes(pipe) -> list[dict]:
+    """What each stage receives, computes and sends, read from the split graph (see _Route)."""
+    calls, source, final = _split_graph(pipe)
+    last = len(calls) - 1
+    readers: dict[str, set[int]] = {}
+    for i, c in enumerate(calls):
+        for a in c.args:
+            readers.setdefault(a.name, set()).add(i)
+    for name in final:
+        readers.setdefault(name, set()).add(last)
+    inputs = [n for n, (_, idx) in source.items() if isinstance(idx, tuple)]
+    chained = {n for n, (stage, _) in source.items() if stage + 1 in readers.get(n, ())}
+    routes = []
+    for i, c in enumerate(calls):
+        here = [n for n, (stage, _) in source.items() if stage == i]  # in graph order
+        chain_in = inputs if i == 0 else routes[i - 1]["chain_out"]
+        available = list(chain_in) + [n for n in here if n not in chain_in]
+        routes.append({
+            "chain_in": chain_in,
+            "args": [a.name for a in c.args],
+            "produced": {n: idx for n, (stage, idx) in source.items() if stage == i and not isinstance(idx, tuple)},
+            "chain_out": final if i == last else [n for n in available if n in chained and max(readers[n]) > i],
+            "posts": {j: names for j in range(i + 2, len(calls))
+                      if (names := [n for n in here if n not in chained and j in readers.get(n, ())])},
+        })
+    for i, route in enumerate(routes):
+        route["mail_in"] = [n for r in routes[:i] for n in r["posts"].get(i, [])]
+    return routes
+
+
+def _sizes(pipe) -> set[str]:
+    """Values that are sizes (ints), read from each stage graph's inputs: the split graph keeps no values."""
+    sizes = set()
+    for c in (n for n in pipe.split_gm.graph.nodes if n.op == "call_module" and n.target.startswith("submod_")):
+        holders = [n for n in getattr(pipe.split_gm, c.target).graph.nodes if n.op == "placeholder"]
+        sizes |= {a.name for a, h in zip(c.args, holders) if isinstance(h.meta.get("val"), (int, torch.SymInt))}
+    return sizes
+
+
+def check_any_batch_size(pipe, example: Any) -> None:
+    """Refuse a traced graph that holds the micro-batch size it was traced with (a reshape to a
+    fixed size, as ``nn.MultiheadAttention`` does): the stages also run a whole batch (BatchNorm),
+    a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ..core.microbatch import batch_size
+    n = batch_size(example)
+    bigger = pytree.tree_map(lambda t: torch.cat([t, t[:1]]) if t.dim() else t, example)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            run_stages([stage_module(pipe, i) for i in range(pipe.num_stages)], pytree.tree_map(mode.from_tensor, bigger))
+    except Exception as exc:  # noqa: BLE001 - any failure here is the same finding
+        raise PartitionError(
+            f"SplitAt: the traced graph fixes the batch size "
+            f"it was traced with ({n} samples per micro-batch): run on {n + 1} it fails with {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}. rpcmp's stages also run whole batches, a smaller last micro-batch and "
+            f"evaluation batches, so such a model cannot be cut on its traced graph yet: declare the stages as modules, "
+            f"or as an nn.Sequential cut with rpcmp.Split") from None
+    finally:
+        for i in range(pipe.num_stages):  # undo the routing installed for the check
+            pipe.get_stage_module(i).__dict__.pop("forward", None)
+
+
+def stage_module(pipe, index: int) -> nn.Module:
+    """Stage ``index`` of the traced ``pipe``, callable with one argument as every rpcmp stage is
+    (see :class:`_Route`)."""
+    module = _graph_module(pipe, index)
+    module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe))
+    return module
+
+
+def place_graph(pipe, index: int, device: torch.device) -> None:
+    """Make stage ``index`` of ``pipe``, traced on the meta device, create its tensors on ``device``.
+
+    [Note: a traced graph names the device it was traced on]
+    ``torch.export`` records the device of every tensor ``forward`` creates: ``torch.arange(t,
+    device=idx.device)`` (positions), a causal mask, ``.to(x.device)``, and the device checks export
+    inserts (``_assert_tensor_metadata``). Traced on the meta device, the graph says ``meta`` there,
+    and on an owner such a tensor is made on the meta device: an op between it and a real tensor
+    either fails ("Tensor device mismatch") or, for some kernels, reads memory that holds nothing
+    (a nanoGPT-style decoder's positional embedding gave NaN). Every ``meta`` in the graph's
+    arguments is rewritten to the owner's device before the stage runs, and
+    :func:`rpcmp.plan.materialize.check_materialized` refuses a stage whose graph still names ``meta``.
+    Must run before :func:`stage_module` / :func:`attach_eval`, which capture ``forward``."""
+    hits = []
+
+    def swap(a):
+        if isinstance(a, torch.device) and a.type == "meta":
+            hits.append(a)
+            return device
+        return a
+    for _, module, graph in graphs(pipe.get_stage_module(index)):
+        hits.clear()
+        for node in graph.nodes:
+            before = len(hits)
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), swap)
+            if len(hits) > before:
+                node.args, node.kwargs = args, kwargs
+        if hits:
+            module.recompile() if isinstance(module, torch.fx.GraphModule) else module.finalize()
+
+
+def graph_devices(module: nn.Module) -> dict[str, str]:
+    """Nodes of ``module``'s graphs (and its submodules') whose arguments name a device: name -> device."""
+    found = {}
+    for prefix, _, graph in graphs(module):
+        for node in graph.nodes:
+            torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a, n=node, p=prefix: found.__setitem__(
+                f"{p + '.' if p else ''}{n.name}", str(a)) if isinstance(a, torch.device) else None)
+    return found
+
+
+def graphs(module: nn.Module):
+    """(qualified name, submodule, fx graph) of ``module`` and each submodule that runs a graph."""
+    for prefix, m in module.named_modules():
+        graph = getattr(m, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            yield prefix, m, graph
+
+
+def forget_trace(modules) -> None:
+    """Drop what tracing left on the graphs' nodes (fake tensors, symbolic sizes, their shape environment):
+    a built stage runs without it, and an owner that builds many stages keeps none of it alive."""
+    for top in modules:
+        for _, _, graph in graphs(top):
+            for node in graph.nodes:
+                node.meta.clear()
+
+
+def _graph_module(pipe, index: int) -> nn.Module:
+    module = pipe.get_stage_module(index)
+    if isinstance(module.graph._codegen, torch.fx.graph._PyTreeCodeGen):
+        # The first stage's graph unpacks the model's whole input and fails when a leaf (a dict's entry)
+        # is used by a later stage only: it takes the leaves it uses, as the split graph passes them.
+        module.graph._codegen = torch.fx.graph.CodeGen()
+        module.recompile()
+    return module
+
+
+def attach_eval(stage: nn.Module, eval_pipe, index: int) -> nn.Module:
+    """Give traced ``stage`` the graph of the model traced in eval mode, run when ``stage.eval()``;
+    returns that graph's module, whose tensors the caller makes the stage's own (see [Note: a
+    traced stage in eval mode])."""
+    evaluated = _graph_module(eval_pipe, index)
+    stage.forward.module, stage.forward.eval_forward = stage, evaluated.forward
+    return evaluated
+
+
+def check_same_cut(train_pipe, eval_pipe) -> None:
+    """Refuse a model whose graphs in train and eval mode are cut differently (the stages would hand
+    each other other values in evaluation than in training)."""
+    if _signature(train_pipe) != _signature(eval_pipe):
+        raise PartitionError("SplitAt: the model traced in eval mode passes other values between the cuts than in "
+                             "train mode (its forward branches on self.training across a cut): move the cut, or "
+                             "declare the stages as modules")
+
+
+def _signature(pipe) -> tuple:
+    """Where every stage's inputs and the model's outputs come from, by position, not by name."""
+    calls, source, final = _split_graph(pipe)
+    return (tuple(tuple(source.get(a.name, ("?",)) for a in c.args) for c in calls),
+            tuple(source.get(name, ("?",)) for name in final))
+

@@ -1,0 +1,200 @@
+"""What the trainer drives: one explicit protocol, :class:`Engine`, and its pipeline-mode
+implementation (DDP mode's is :class:`rpcmp.train.ddp.DDPEngine`). The trainer (:mod:`rpcmp.train.trainer`)
+decides when to step, evaluate, save and resume; an engine does each in its mode."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ..core.checkpoint import latest_checkpoint, load_checkpoint
+from ..data import data_loader, epoch_batches, step_groups
+from ..core.microbatch import batch_size, gather
+from ..master.pipeline import Pipeline
+from ..master.replicas import pipeline_for
+from ..plan.topology import Topology
+from ..core.served import RunStatus
+
+__all__ = ["Engine", "PipelineEngine", "make_engine", "evaluate"]
+
+
+class Engine(Protocol):
+    """Everything the trainer asks of a mode; nothing else is reached for."""
+
+    mode: str  # "pipeline" | "ddp": written into checkpoints
+    is_main: bool  # the process that prints, logs and writes the index
+    loss_scale: float | None  # fp16 loss scaling (None without), checkpointed
+    scheduler: Any
+    status: RunStatus  # what the run is doing, for failure messages (the trainer sets step and checkpoint)
+
+    def steps_per_epoch(self, n: int) -> int: ...
+    def epoch_loader(self, dataset, epoch: int, first_batch: int): ...
+    def train_step(self, group: list) -> tuple[float, int]: ...
+    def evaluate(self, dataset) -> float: ...
+    def train(self) -> None: ...
+    def state_meta(self) -> dict[str, torch.Tensor]: ...
+    def write_state(self, directory: str, step: int, keep_last: int, run: str) -> dict: ...
+    def load_state(self, ckpt: dict) -> None: ...
+    def step_metrics(self) -> dict: ...
+    def epoch_metrics(self) -> dict: ...
+    def rng_state(self) -> Any: ...
+    def load_rng_state(self, state) -> bool: ...
+    def scheduler_state(self) -> dict: ...
+    def load_scheduler_state(self, state) -> None: ...
+    def saving(self, step: int): ...
+    def resume_checkpoint(self, directory: str) -> dict | None: ...
+    def describe(self) -> str: ...
+    def explain(self, exc: BaseException) -> BaseException: ...
+    def summary(self, console: Console) -> None: ...
+
+
+def make_engine(job, world_size: int, train_set=None) -> Engine:
+    if job.mode == "ddp":
+        from .ddp import DDPEngine
+        return DDPEngine(job)
+    return PipelineEngine(pipeline_for(job, world_size), job, Topology.for_run(job, world_size))
+
+
+class PipelineEngine:
+    """What the trainer drives in pipeline mode: a :class:`Pipeline` and the batch order."""
+
+    mode = "pipeline"
+    is_main = True
+
+    def __init__(self, pipe: Pipeline, job, topology: Topology | None = None):
+        self.pipe, self.job = pipe, job
+        self.replicated = topology is not None and topology.replicated
+        self.status = pipe.status
+
+    def steps_per_epoch(self, n: int) -> int:
+        return n // self.job.batch_size // self.job.accumulate
+
+    def epoch_loader(self, dataset, epoch: int, first_batch: int):
+        batches = epoch_batches(len(dataset), self.job.batch_size, self.job.seed, epoch)
+        return step_groups(dataset, batches, first_batch, self.job.accumulate)
+
+    def train_step(self, group: list) -> tuple[float, int]:
+        # Accumulating k batches is one step over their concatenation in k x M micro-batches:
+        # the same gradient, as each micro-batch's loss is weighted by its share of all samples.
+        x, y = group[0] if len(group) == 1 else gather(group)
+        loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
+        return loss.item(), batch_size(x)
+
+    def evaluate(self, dataset) -> float:
+        return evaluate(self.pipe, dataset, self.job)
+
+    def train(self) -> None:
+        self.pipe.train()
+
+    def state_meta(self) -> dict:
+        return self.pipe.state_meta()
+
+    def write_state(self, directory: str, step: int, keep_last: int, run: str) -> dict:
+        """The owners write the parts; the index names them (see [Note: a checkpoint nobody holds whole])."""
+        return {"parts": self.pipe.save_stage_files(directory, step, keep_last, run), "optimizer": {}}
+
+    def load_state(self, ckpt: dict) -> None:
+        self.pipe.load_files(ckpt["files"])  # each owner reads its own keys
+
+    @property
+    def scheduler(self):
+        return self.pipe.scheduler
+
+    def step_metrics(self) -> dict:
+        return {"lr": self.pipe.lr, "grad_norm": self.pipe.last_grad_norm}
+
+    def epoch_metrics(self) -> dict:
+        stats = self.pipe.stats()
+        return {"stages": [{"stage": s.index, "name": s.name, "owner": str(p), "replica": r, "forward_s": st["compute_s"],
+                            "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"], "wall_s": st["wall_s"],
+                            "process_cpu_s": st["process_cpu_s"], "mib_in": st["mib_in"], "mib_out": st["mib_out"]}
+                           for (r, s, p), st in zip(self.pipe.rows, stats)]}
+
+    def rng_state(self):
+        return self.pipe.rng_state()
+
+    def load_rng_state(self, state) -> bool:
+        return self.pipe.load_rng_state(state)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.pipe.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.pipe.loss_scale = value
+
+    def scheduler_state(self) -> dict:
+        return self.pipe.scheduler_state()
+
+    def load_scheduler_state(self, state) -> None:
+        self.pipe.load_scheduler_state(state)
+
+    @contextlib.contextmanager
+    def saving(self, step: int):
+        yield True  # the master writes every checkpoint
+
+    def resume_checkpoint(self, directory: str) -> dict | None:
+        return load_checkpoint(directory) if latest_checkpoint(directory) else None
+
+    def describe(self) -> str:
+        pipe = self.pipe
+        text = ("stages: " + "  ".join(f"{s.index}:{s.name}@{p}" for s, p in zip(pipe.specs, pipe.places))
+                + (f"   x {self.job.replicas} replicas: " + "  ".join(
+                    f"{s.index}@" + ",".join(str(row[s.index]) for row in pipe.grid) for s in pipe.specs)
+                   if self.replicated else "")
+                + f"   micro-batches: {pipe.batch_chunks}, schedule {pipe.schedule}, precision {self.job.precision}")
+        if pipe.whole_batch_bn and pipe.microbatches > 1:
+            text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
+                     f"batch's (Job.batchnorm='batch'); batchnorm='micro' pipelines {pipe.microbatches} micro-batches "
+                     f"with per-micro-batch statistics")
+        return text
+
+    def explain(self, exc: BaseException) -> BaseException:
+        return self.pipe.explain(exc)
+
+    # -- the timeline (rpcmp.train.trainer.Tracer; pipeline mode only) -----------------------
+    def start_trace(self) -> None:
+        self.pipe.start_trace()
+
+    def stop_trace(self) -> dict[int, list]:
+        return self.pipe.stop_trace()
+
+    @property
+    def next_seq(self) -> int:
+        return self.pipe.next_seq
+
+    def stage_names(self) -> list[str]:
+        return [s.name for s in self.pipe.specs]
+
+    def summary(self, console: Console) -> None:
+        table = Table(title="rpcmp run: stages", show_header=True,
+                      caption="busy: the owner process's CPU time over the stage's lifetime (1 thread: 100% = never "
+                              "waiting); MiB in/out: activations received/sent, gradients travel back the same")
+        grid = self.replicated
+        cols = ("replica",) * grid + ("stage", "owner", "micro-batches", "forward s", "busy", "MiB in", "MiB out",
+                                      "peak RSS MiB")
+        for col in cols:
+            table.add_column(col, justify="left" if col in ("stage", "owner") else "right")
+        for (replica, spec, place), st in zip(self.pipe.rows, self.pipe.stats()):
+            busy = st["process_cpu_s"] / max(st["wall_s"], 1e-9) / max(torch.get_num_threads(), 1)
+            table.add_row(*(str(replica),) * grid, f"{spec.index} {spec.name}", str(place), str(int(st["runs"])),
+                          f"{st['compute_s']:.2f}", f"{busy:.0%}", f"{st['mib_in']:.1f}", f"{st['mib_out']:.1f}",
+                          f"{st['peak_rss_mib']:.0f}")
+        console.print(table)
+
+
+@torch.no_grad()
+def evaluate(pipe: Pipeline, dataset, job) -> float:
+    """Mean of ``job.metric`` over ``dataset`` (weighted by batch size), stages in eval mode."""
+    pipe.eval()
+    total, count = 0.0, 0
+    for x, y in data_loader(dataset, batch_size=job.batch_size):
+        n = batch_size(x)
+        total += float(job.metric(pipe.predict(x), y)) * n
+        count += n
+    pipe.train()
+    return total / max(count, 1)

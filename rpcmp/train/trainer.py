@@ -1,0 +1,207 @@
+"""The training loop on the master: data, steps, progress, held-out metric."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..core.checkpoint import (CheckpointError, check_model_keys, model_fingerprint,
+                         new_run_id, save_checkpoint)
+from ..core import health
+from ..errors import JobError
+from ..data import datasets
+from .engine import make_engine
+from .timeline import write_chrome_trace
+
+__all__ = ["fit"]
+
+
+def fit(job, world_size: int, console: Console | None = None, engine=None) -> dict[str, Any]:
+    """Train ``job``; in pipeline mode on the master, in DDP mode on every rank."""
+    train_set, heldout = datasets(job)
+    engine = engine or make_engine(job, world_size, train_set)
+    console = console or Console(quiet=not engine.is_main)
+    per_epoch = engine.steps_per_epoch(len(train_set))
+    if per_epoch == 0:
+        raise JobError(f"the training set has {len(train_set)} samples, fewer than one step of "
+                       f"{job.batch_size} x {job.accumulate} (batch_size x accumulate)")
+    console.print(engine.describe())
+    with health.explained(engine.explain):
+        return _train(job, engine, console, train_set, heldout, per_epoch)
+
+
+def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) -> dict[str, Any]:
+    total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
+    step, epoch, first_batch, run = _resume(job, engine, console) if job.resume else (0, 0, 0, None)
+    run = run or new_run_id()  # see rpcmp/core/checkpoint.py: a run prunes only its own checkpoints
+    before = engine.evaluate(heldout) if heldout is not None and job.metric else None
+    if before is not None:
+        console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
+    losses, samples, saved, start = [], 0, None, time.perf_counter()
+    log = MetricsLog(job.metrics_file if engine.is_main else None)
+    tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
+    with Progress(*_progress_columns(), console=console, transient=False, disable=not engine.is_main) as progress:
+        while step < total:
+            engine.train()
+            groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
+            task = progress.add_task("train", total=min(steps, first_batch + total - step), completed=first_batch,
+                                     epoch=epoch + 1, loss=float("nan"), rate=0.0)  # a bar per epoch
+            position = (epoch + 1, 0)
+            for k, group in enumerate(groups, start=first_batch):
+                engine.status.step = step + 1
+                step_start = time.perf_counter()
+                tracer.before(step + 1)
+                loss, n = engine.train_step(group)
+                tracer.after(step + 1)
+                losses.append(loss)
+                step += 1
+                samples += n
+                log.write(kind="step", step=step, epoch=epoch + 1, loss=loss, samples=n,
+                          step_s=time.perf_counter() - step_start, **engine.step_metrics())
+                progress.update(task, advance=1, epoch=epoch + 1, loss=loss,
+                                rate=samples / (time.perf_counter() - start))
+                position = (epoch, k + 1) if k + 1 < steps else (epoch + 1, 0)
+                if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
+                    saved = _save(job, engine, run, step, *position)
+                if step >= total:
+                    break
+            finished = position[0] > epoch and step < total  # a whole epoch ended and training goes on
+            heldout_metric = engine.evaluate(heldout) if finished and before is not None else None
+            if heldout_metric is not None:
+                progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {heldout_metric:.4f}")
+            log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),
+                      heldout_metric=heldout_metric, **engine.epoch_metrics())
+            epoch, first_batch = position
+            if job.checkpoint_dir and not job.checkpoint_every and saved != step:
+                saved = _save(job, engine, run, step, epoch, first_batch)
+    if job.checkpoint_dir and saved != step:
+        _save(job, engine, run, step, epoch, first_batch)
+    return _finish(job, engine, console, log, tracer, heldout, before, losses, samples, step, time.perf_counter() - start)
+
+
+def _progress_columns() -> tuple:
+    return (TextColumn("[bold]epoch {task.fields[epoch]}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[rate]:.1f} samples/s"),
+            TimeRemainingColumn())
+
+
+def _finish(job, engine, console: Console, log, tracer, heldout, before, losses: list, samples: int, step: int,
+            elapsed: float) -> dict[str, Any]:
+    """The end of a run: the timeline, the held-out metric, the last metrics record and the summary."""
+    tracer.finish(console)
+    after = engine.evaluate(heldout) if before is not None else None
+    log.write(kind="end", step=step, metric_before=before, metric_after=after,
+              seconds=elapsed, samples_per_s=samples / elapsed if elapsed else 0.0)
+    log.close()
+    engine.summary(console)
+    if losses:
+        console.print(f"steps {len(losses)}  loss {losses[0]:.4f} -> {losses[-1]:.4f}  "
+                      f"{samples / elapsed:.1f} samples/s  {elapsed:.1f}s")
+    if after is not None:
+        console.print(f"held-out {job.metric_name}: [bold]{before:.4f} -> {after:.4f}[/]")
+    return {"losses": losses, "metric_before": before, "metric_after": after,
+            "samples_per_s": samples / elapsed if elapsed else 0.0, "steps": step}
+
+
+class Tracer:
+    """Traces steps ``first..last`` of a pipeline run into ``Job.trace_file`` (see :mod:`rpcmp.train.timeline`)."""
+
+    def __init__(self, engine, job, first: int, last: int):
+        self.on = bool(job.trace_file) and engine.mode == "pipeline"
+        self.engine, self.job, self.first, self.last, self.steps = engine, job, first, last, []
+
+    def before(self, step: int) -> None:
+        if self.on and step == self.first:
+            self.engine.start_trace()
+        if self.on and self.first <= step <= self.last:
+            self._seq0 = self.engine.next_seq
+
+    def after(self, step: int) -> None:
+        if self.on and self.first <= step <= self.last:
+            self.steps.append({"step": step, "seqs": list(range(self._seq0, self.engine.next_seq))})
+            if step == self.last:
+                events = self.engine.stop_trace()
+                for st in self.steps:
+                    st["events"] = events
+
+    def finish(self, console: Console) -> None:
+        if not (self.on and self.steps and "events" in self.steps[-1]):
+            return
+        summary = write_chrome_trace(self.job.trace_file, self.steps, self.engine.stage_names(),
+                                     len(self.steps[0]["seqs"]))
+        console.print(f"trace of steps {summary['steps']} written to {self.job.trace_file}: bubble "
+                      f"{summary['bubble']:.3f} measured, {summary['ideal_bubble']:.3f} ideal (S-1)/(M+S-1)")
+
+
+class MetricsLog:
+    """JSON lines, one object per step, epoch and run end (``Job.metrics_file`` / ``--metrics``)."""
+
+    def __init__(self, path: str | None):
+        self.file = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a")
+
+    def write(self, **record) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"time": time.time(), **record}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
+    rng = engine.rng_state()  # DDP: a collective, so every rank takes part
+    # DDP: every rank holds the same state; rank 0 writes it while the others wait (see DDPEngine.saving)
+    with engine.saving(step) as writer:
+        if writer:
+            _write(job, engine, run, step, epoch, next_batch, rng)
+    return step
+
+
+def _write(job, engine, run: str, step: int, epoch: int, next_batch: int, rng) -> None:
+    cls, _ = job.optimizer
+    state = engine.write_state(job.checkpoint_dir, step, job.keep_last, run)  # the model and optimizer state
+    state["optimizer"]["class"] = cls.__name__
+    engine.status.checkpoint = save_checkpoint(job.checkpoint_dir, {
+        "mode": engine.mode, "fingerprint": model_fingerprint(engine.state_meta()), **state,
+        "scheduler": engine.scheduler_state() if engine.scheduler is not None else None,
+        "step": step, "epoch": epoch, "next_batch": next_batch, "seed": job.seed,
+        "rng": rng, "loss_scale": engine.loss_scale,
+    }, step, job.keep_last, run)
+
+
+def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
+    """Load the checkpoint written last in the folder; return (step, epoch, next batch, run it continues)."""
+    if not job.checkpoint_dir:
+        raise JobError("resume needs a checkpoint directory: pass --checkpoint-dir DIR (or Job.checkpoint_dir)")
+    ckpt = pipe.resume_checkpoint(job.checkpoint_dir)  # DDP: rank 0's, on every rank
+    if ckpt is None:
+        console.print(f"no checkpoint in {job.checkpoint_dir} yet: starting from step 0")
+        return 0, 0, 0, None
+    model = pipe.state_meta()  # keys, shapes and dtypes only: see [Note: a checkpoint nobody holds whole]
+    check_model_keys(ckpt, model, "this job's model")
+    if ckpt.get("fingerprint") not in (None, model_fingerprint(model)):
+        raise CheckpointError(f"checkpoint {ckpt['path']} is from another model than this job's (its keys, shapes or "
+                              f"dtypes differ): point --checkpoint-dir at this job's checkpoints, or start without --resume")
+    cls, _ = job.optimizer
+    if ckpt["optimizer"]["class"] != cls.__name__:
+        raise CheckpointError(f"checkpoint {ckpt['path']} holds {ckpt['optimizer']['class']} state but the job uses "
+                              f"{cls.__name__}: use the same optimizer, or start without --resume")
+    pipe.load_state(ckpt)
+    if pipe.scheduler is not None and ckpt.get("scheduler"):
+        pipe.load_scheduler_state(ckpt["scheduler"])
+    rng = pipe.load_rng_state(ckpt.get("rng")) if ckpt["mode"] == pipe.mode else False
+    if ckpt.get("loss_scale") and pipe.loss_scale:
+        pipe.loss_scale = ckpt["loss_scale"]
+    run = ckpt.get("run")
+    console.print(f"resumed run {run or '(unnamed)'} at step {ckpt['step']} from {ckpt['path']} (written in {ckpt['mode']} mode)"
+                  + ("" if rng else "; random number generators start afresh (saved in the other mode, or with other stages "
+                                    "or ranks on each process), so dropout draws other masks than an uninterrupted run would"))
+    return ckpt["step"], ckpt["epoch"], ckpt["next_batch"], run
