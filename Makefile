@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rpcmp-installed
 
-.PHONY: install demo test bench gpu-check lint clean
+.PHONY: install demo test unit bench gpu-check lint clean
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest
+
+# The in-process tests alone (no launched processes): tests/unit mirrors rpcmp/ package by package.
+unit: install
+	$(PY) -m pytest -q tests/unit rpcmp
 
 bench: install
 	$(PY) benchmarks/bench.py

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import click
@@ -16,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..errors import RpcmpError
+from ..launch.env import set_options
 
 __all__ = ["main", "job_options"]
 
@@ -61,10 +61,7 @@ def job_options(fn):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
                 "mode", "replicas", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
                 "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "metrics_file", "trace_file")
-        for opt, env in (("iface", "RPCMP_IFACE"), ("connect_timeout", "RPCMP_CONNECT_TIMEOUT")):
-            value = kw.pop(opt, None)
-            if value is not None:
-                os.environ[env] = str(value)
+        set_options(iface=kw.pop("iface", None), connect_timeout=kw.pop("connect_timeout", None))
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
         for k in keys:
             kw.pop(k, None)
@@ -112,20 +109,12 @@ def main():
 def run(job_file, nprocs, workers, listen, token_file, overrides):
     """Train JOB_FILE on --local N processes, or on --workers N daemons."""
     from ..launch.local import launch_local
-    from ..launch.runtime import run_rank
     from ..train.trainer import fit
     if (nprocs is None) == (workers is None):
         raise click.BadParameter("give exactly one of --local N (processes here) or --workers N (daemons)")
     if workers is not None:
-        from ..launch.network import select_interface
-        from ..launch.daemon import publish_job, read_token
-        select_interface()
-        host, _, port = listen.rpartition(":")
-        timeout = float(os.environ.get("RPCMP_CONNECT_TIMEOUT", "60"))
-        store = publish_job(job_file, workers, host, int(port), read_token(None, token_file), overrides, timeout)
-        os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
-        run_rank(job_file, 0, workers + 1, fit, overrides, local_procs=1)
-        del store
+        from ..launch.daemon import run_master
+        run_master(job_file, workers, listen, token_file, overrides, fit)
         return
     if nprocs < 2:
         raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")

@@ -47,7 +47,8 @@ import torch.distributed as dist
 from ..errors import JobError
 from ..errors import NetworkError
 from .local import process_context
-from .network import bound_store, port_free
+from .env import LaunchEnv
+from .network import bound_store, port_free, select_interface
 
 __all__ = ["serve_forever", "publish_job"]
 
@@ -302,6 +303,18 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
         stop.wait(poll)
         return None
     return store, raw
+
+
+def run_master(job_file: str, workers: int, listen: str, token_file: str | None, overrides, main) -> None:
+    """``rpcmp run JOB --workers N``: offer the job to N daemons, then be its rank 0 here."""
+    from .runtime import run_rank
+    select_interface()
+    host, _, port = listen.rpartition(":")
+    store = publish_job(job_file, workers, host, int(port), read_token(None, token_file), overrides,
+                        LaunchEnv.read().connect_timeout)
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
+    run_rank(job_file, 0, workers + 1, main, overrides, local_procs=1)
+    del store  # the rendezvous store lives as long as the run
 
 
 def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides, finished) -> None:

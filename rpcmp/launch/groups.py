@@ -3,7 +3,6 @@ store before RPC starts, and one group per stage over the ranks that hold its co
 [Note: replicas of a pipeline] in rpcmp/master/replicas.py)."""
 from __future__ import annotations
 
-import os
 import socket
 from datetime import timedelta
 
@@ -14,26 +13,25 @@ from .network import launch_store
 __all__ = ["this_node", "share_nodes", "join_stage_groups", "leave_stage_groups"]
 
 
-def this_node() -> str:
+def this_node(node_rank: int | None) -> str:
     """The node this process runs on: torchrun's node rank, else the host's name."""
-    return f"node {os.environ['GROUP_RANK']}" if "GROUP_RANK" in os.environ else socket.gethostname()
+    return f"node {node_rank}" if node_rank is not None else socket.gethostname()
 
 
-def share_nodes(rank: int, world_size: int, timeout: float) -> list[str]:
+def share_nodes(rank: int, world_size: int, timeout: float, attempt: int, node_rank: int | None) -> list[str]:
     """Every rank's node, the same list on every rank (through the launch's store, before RPC)."""
     store = launch_store(timeout)
-    key = f"rpcmp/node/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    store.set(key + str(rank), this_node())
+    key = f"rpcmp/node/{attempt}/"
+    store.set(key + str(rank), this_node(node_rank))
     return [store.get(key + str(q)).decode() for q in range(world_size)]
 
 
-def join_stage_groups(topology, rank: int, hang_timeout: float | None, served) -> None:
+def join_stage_groups(topology, rank: int, hang_timeout: float | None, served, attempt: int) -> None:
     """On every rank of a run with replicas: one process group over all ranks, and one per stage
     over the ranks that hold its copies (``served.stage_groups[k]``). Every rank must call this:
     creating a group is a collective of the whole world."""
     timeout = timedelta(seconds=max(60.0, hang_timeout or 0))
     store = launch_store(timeout.total_seconds())
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     # The world's group is gloo whatever the devices (a master or a CPU stage has no GPU for NCCL);
     # the groups of CUDA stages are NCCL's.
     dist.init_process_group("gloo", store=dist.PrefixStore(f"rpcmp/pg/{attempt}", store),

@@ -25,6 +25,7 @@ from ..job import Job, load_job
 from .network import launch_store, preflight
 from ..plan.placement import device_maps_for, process_name
 from ..plan.topology import Topology
+from .env import LaunchEnv
 from .groups import join_stage_groups, leave_stage_groups, share_nodes
 from ..core.served import current, serve
 
@@ -140,17 +141,17 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     _quiet()
     _one_malloc_arena()
     job = load_job(job_path, overrides=overrides)
-    preflight(rank, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
-    local = local_procs or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(job.threads or default_threads(local))
-    _agree_on_attempt(world_size)
+    env = LaunchEnv.read()
+    preflight(rank, env.nodes)
+    torch.set_num_threads(job.threads or default_threads(local_procs or env.local_world_size or world_size))
+    attempt = _agree_on_attempt(world_size, env)
     served = serve(job)  # what this process serves, fresh for this run: see [Note: one object per process]
     if job.mode == "ddp":
-        return _run_ddp_rank(job, rank, world_size, main)
-    _fresh_store_prefix()
+        return _run_ddp_rank(job, rank, world_size, main, env.local_rank)
+    _fresh_store_prefix(attempt)
     options = _backend_options(job, world_size)
     if Topology.needs_nodes(job):  # the grid follows the nodes: see [Note: replicas of a pipeline]
-        served.nodes = share_nodes(rank, world_size, timeout=max(60.0, job.rpc_timeout))
+        served.nodes = share_nodes(rank, world_size, max(60.0, job.rpc_timeout), attempt, env.node_rank)
     topology = served.topology = Topology.of(job, world_size, nodes=served.nodes)  # [Note: one topology per run]
     if job.device_maps:
         for places in topology.grid:
@@ -160,7 +161,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     result, error, watchdog = None, None, None
     try:
         if topology.replicated:
-            join_stage_groups(topology, rank, job.hang_timeout, served)  # see [Note: replicas of a pipeline]
+            join_stage_groups(topology, rank, job.hang_timeout, served, attempt)  # see [Note: replicas of a pipeline]
         if rank == 0 and main is not None:
             if world_size > 1 and job.hang_timeout:
                 watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout, served.status)
@@ -215,10 +216,10 @@ def _tell_outcome(workers: list[str], ok: bool) -> None:
             pass
 
 
-def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
+def _run_ddp_rank(job: Job, rank: int, world_size: int, main, local_rank: int | None) -> Any:
     """DDP mode: no RPC; every rank runs ``main`` (the trainer) in one process group."""
     from ..train.ddp import join, leave
-    join(rank, world_size, job.hang_timeout)
+    join(rank, world_size, job.hang_timeout, rank if local_rank is None else local_rank)
     try:
         result = main(job, world_size) if main is not None else None
     finally:
@@ -226,7 +227,7 @@ def _run_ddp_rank(job: Job, rank: int, world_size: int, main) -> Any:
     return result if rank == 0 else None
 
 
-def _agree_on_attempt(world_size: int) -> None:
+def _agree_on_attempt(world_size: int, env: LaunchEnv) -> int:
     """[Note: one attempt number for every node]
     Under torchrun, ``TORCHELASTIC_RESTART_COUNT`` numbers the store keys of each attempt
     (``env://`` rendezvous: ``/worker/attempt_{n}``; rpcmp's RPC prefix below). But it is
@@ -235,15 +236,18 @@ def _agree_on_attempt(world_size: int) -> None:
     others read attempt 0's keys, with the dead master's address in them, and failed with
     "connection refused". The agent store outlives every attempt, so each process counts
     itself in there once at start: the n-th process to arrive belongs to attempt
-    (n - 1) // world_size, the same number on every node (for a fixed world size).
+    (n - 1) // world_size, the same number on every node (for a fixed world size). The number is
+    returned, and handed to everything of rpcmp that namespaces keys by attempt; it is also
+    written back to ``TORCHELASTIC_RESTART_COUNT`` for torch's own ``env://`` rendezvous (DDP mode).
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RUN_ID" not in os.environ:
-        return  # not under torchrun (launch_local and daemons: a fresh store per run)
-    arrived = launch_store(60).add("rpcmp/arrived", 1)
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str((arrived - 1) // world_size)
+    if not env.under_torchrun:
+        return env.restart  # launch_local and daemons: a fresh store per run
+    attempt = (launch_store(60).add("rpcmp/arrived", 1) - 1) // world_size
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+    return attempt
 
 
-def _fresh_store_prefix() -> None:
+def _fresh_store_prefix(attempt: int) -> None:
     """[Note: RPC after a torchrun restart]
     init_rpc namespaces its store keys as ``rpc_prefix_{n}`` with n counting calls in this
     process, so every fresh process uses ``rpc_prefix_0``. torchrun's agent store outlives
@@ -251,7 +255,6 @@ def _fresh_store_prefix() -> None:
     and gloo fails with "connection refused". Starting the count at the restart number
     gives each attempt keys of its own.
     """
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if attempt and hasattr(rpc, "_init_counter"):
         with rpc._init_counter_lock:
             rpc._init_counter = max(rpc._init_counter, attempt * 1000)

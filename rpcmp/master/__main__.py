@@ -14,8 +14,6 @@ Rank, world size and the rendezvous address come from torchrun's environment
 """
 from __future__ import annotations
 
-import os
-
 import click
 
 from ..cli.commands import job_options
@@ -29,13 +27,14 @@ __all__ = ["main"]
 @job_options
 def main(job_file, overrides):
     """Run JOB_FILE as one rank of a torchrun job."""
+    from ..launch.env import LaunchEnv
     from ..launch.runtime import run_rank
     from ..train.trainer import fit
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise JobError(f"python -m rpcmp.master runs under torchrun, but {missing} are not set: "
+    env = LaunchEnv.read()
+    if env.missing:
+        raise JobError(f"python -m rpcmp.master runs under torchrun, but {list(env.missing)} are not set: "
                        f"launch it with torchrun (see `python -m rpcmp.master --help`), or use `rpcmp run JOB --local N`")
-    run_rank(job_file, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), fit, overrides)
+    run_rank(job_file, env.rank, env.world_size, fit, overrides)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ averaged over ranks (all_reduce), so what rank 0 prints is the global value; onl
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -39,14 +38,14 @@ __all__ = ["DDPEngine", "init_ddp", "join", "leave"]
 _MIN_COLLECTIVE_S = 60.0  # a collective may take this long, whatever Job.hang_timeout says
 
 
-def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.device:
+def init_ddp(rank: int, world_size: int, hang_timeout: float = 0, local_rank: int | None = None) -> torch.device:
     """Join the process group (env://) and pick this rank's device.
 
     A collective that waits longer than ``hang_timeout`` (when set) fails instead of
     waiting out the 30-minute default for a rank that froze.
     """
     cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_rank = rank if local_rank is None else local_rank
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -55,11 +54,11 @@ def init_ddp(rank: int, world_size: int, hang_timeout: float = 0) -> torch.devic
     return device
 
 
-def join(rank: int, world_size: int, hang_timeout: float = 0) -> None:
+def join(rank: int, world_size: int, hang_timeout: float = 0, local_rank: int | None = None) -> None:
     """Make this process DDP rank ``rank``: process group, device, heartbeats to its peers."""
     from ..core.health import Heartbeats
     served = current()
-    served.device = init_ddp(rank, world_size, hang_timeout)
+    served.device = init_ddp(rank, world_size, hang_timeout, local_rank)
     beats = served.heartbeats = Heartbeats(rank, world_size, hang_timeout, launch_store(30), served.status)
     beats._beat()
     beats.start()

@@ -5,7 +5,7 @@ from click.testing import CliRunner
 from helpers import JOBS
 from rpcmp.cli import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 UNET = os.path.join(ROOT, "examples", "unet_split", "job.py")
 
 

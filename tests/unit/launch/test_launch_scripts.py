@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SLURM = os.path.join(ROOT, "launch", "slurm.sbatch")
 ENV = {"SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "nodea,nodeb,nodec", "SLURM_GPUS_PER_NODE": "a100:2",
        "SLURM_JOB_ID": "77"}

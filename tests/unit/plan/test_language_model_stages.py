@@ -17,7 +17,7 @@ from rpcmp.master.tied import describe, norm_skips, shared_groups
 from rpcmp.plan.lengths import check_sizes
 from rpcmp.plan.traced import graph_devices, run_stages
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "jobs"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
 from helpers import job_path, load  # noqa: E402
 
 MODELS = ("nanogpt", "hf_gpt2", "hf_llama")
