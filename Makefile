@@ -23,9 +23,10 @@ demo: install
 test: install
 	$(PY) -m pytest
 
-# The in-process tests alone (no launched processes): tests/unit mirrors rpcmp/ package by package.
+# The in-process tests alone (no launched processes; tests/unit mirrors rpcmp/ package by package),
+# without the ones that trace a real model (marked `model`, run by `make test`): under a minute.
 unit: install
-	$(PY) -m pytest -q tests/unit rpcmp
+	$(PY) -m pytest -q -m "not model" tests/unit rpcmp
 
 bench: install
 	$(PY) benchmarks/bench.py

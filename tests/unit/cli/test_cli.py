@@ -1,5 +1,7 @@
 import os
 
+import pytest
+
 from click.testing import CliRunner
 
 from helpers import JOBS
@@ -23,6 +25,7 @@ def test_plan_prints_the_partition_without_processes():
     assert "Conv2d x36, BatchNorm2d x36" in rows[0]  # what each stage computes (resnet34: 36 convolutions)
 
 
+@pytest.mark.model
 def test_plan_lists_the_operations_of_each_traced_stage():
     """SplitAt stages are pieces of the traced graph: the plan lists their ops, functional ones included
     (ResNet's residual adds and the flatten before fc)."""

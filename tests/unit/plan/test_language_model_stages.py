@@ -28,6 +28,8 @@ def _plan(job, length=16):
     return plan_stages(job, train[:job.batch_size][0][:, :length])
 
 
+pytestmark = pytest.mark.model  # every test here traces a language model
+
 @pytest.fixture(scope="module", params=MODELS)
 def built(request):
     """Each model's plan, its stages built as their owners build them, and the unsplit model."""

@@ -20,6 +20,7 @@ def _compose(job, sample):
     return specs, stages, run_stages(stages, sample)
 
 
+@pytest.mark.model
 def test_a_resnet_cut_in_three_keeps_flatten_and_every_name():
     resnet = lambda: torchvision.models.resnet18(num_classes=10)  # noqa: E731
     job = rpcmp.Job(model=resnet, stages=rpcmp.SplitAt("layer2", "layer4"), microbatches=2)
@@ -58,6 +59,7 @@ def test_split_at_errors_say_what_and_how():
         plan_stages(rpcmp.Job(model=DataDependent, stages=rpcmp.SplitAt("fc2")), torch.randn(4, 16))
 
 
+@pytest.mark.model
 def test_a_unet_cut_inside_its_encoder_hands_the_skip_features_on():
     import segmentation_models_pytorch as smp
     unet = lambda: smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1)  # noqa: E731
@@ -88,6 +90,7 @@ def test_a_graph_that_fixes_the_batch_size_is_refused():
         plan_stages(rpcmp.Job(model=Pairs, stages=rpcmp.SplitAt("head"), microbatches=2), torch.randn(4, 8))
 
 
+@pytest.mark.model
 def test_attention_is_traced_for_any_batch_size():
     """nn.MultiheadAttention reshapes by the batch size: traced with a dynamic batch dimension,
     the stages run any micro-batch size and equal the unsplit model."""
@@ -110,6 +113,7 @@ def test_attention_is_traced_for_any_batch_size():
         torch.testing.assert_close(run_stages(stages, x), model(x))
 
 
+@pytest.mark.model
 def test_several_inputs_and_outputs_travel_through_the_cut():
     """A model that takes a dict of two tensors and returns a tuple of two heads, cut in three:
     the inputs reach the stages that use them and both outputs come out, as the unsplit model's."""
@@ -133,6 +137,7 @@ def test_several_inputs_and_outputs_travel_through_the_cut():
     torch.testing.assert_close(run_stages(stages, x), model(x))
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("family", ["mobilenet_v3_small"])
 def test_a_traced_stage_in_eval_mode_runs_the_eval_graph(family):
     """Traced in train mode, BatchNorm would keep normalising with batch statistics (and updating the
