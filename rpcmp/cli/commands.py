@@ -194,10 +194,10 @@ def worker(master, rank, token_file, iface):
 @job_options
 def plan(job_file, world_size, nproc_per_node, check, overrides):
     """Print how JOB_FILE is cut into stages and placed, and its schedule's plan, without starting any process."""
-    import torch
     from ..job import load_job
     from ..core.microbatch import tensors
-    from ..plan.partition import build_stage, plan_stages
+    from ..plan.partition import build_stage, has_batchnorm, plan_stages
+    from ..plan.traced import stage_flow
     from ..plan.topology import Topology
     from ..data import first_batch, needs_sample
     from ..core.microbatch import scatter
@@ -216,21 +216,14 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
                         f"{job.microbatches} micro-batches of a {job.batch_size}-sample batch")
     for col in ("stage", "modules", "ops", "parameters", "est. memory", "out / micro-batch", "placement"):
         table.add_column(col, justify="left" if col in ("stage", "modules", "ops", "placement") else "right")
-    total, mail, bn = 0, {}, False
-    for spec, place in zip(specs, places):
-        module = build_stage(job, spec, meta=True)  # structure and shapes only: nothing is allocated
-        bn = bn or spec.has_bn or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    modules = [build_stage(job, spec, meta=True) for spec in specs]  # structure and shapes only: nothing is allocated
+    bn = any(has_batchnorm(m, spec) for m, spec in zip(modules, specs))
+    total = 0
+    for (sent, _), spec, module, place in zip(stage_flow(modules, flow, _on_meta), specs, modules, places):
         n = sum(p.numel() for p in module.parameters())
         bytes_ = sum(p.numel() * p.element_size() * (2 + states) for p in module.parameters())
         bytes_ += sum(b.numel() * b.element_size() for b in module.buffers())
         total += n
-        route = module.__dict__.get("forward")  # a traced stage's: values come and go by post too
-        flow = _on_meta(module, (flow, mail.pop(spec.index, {})) if route is not None and route.mail_in else flow)
-        sent = flow
-        if flow is not None and route is not None and route.posts:
-            flow, posts = flow
-            for j, values in posts.items():
-                mail.setdefault(j, {}).update(values)
         crosses = "?" if sent is None else _mib(sum(t.numel() * t.element_size() for t in tensors(sent)))
         table.add_row(str(spec.index), spec.name, _ops(module), f"{n:,}", _mib(bytes_), crosses, str(place))
     table.caption = (f"{total:,} parameters; memory = weights + gradients + {states} optimizer "
@@ -293,15 +286,15 @@ def _grid_table(job, specs, grid, nodes) -> Table:
 
 def _schedule_table(job, stages: int, whole_batch: bool) -> Table:
     """The schedule's plan for one optimizer step (``--schedule S -m M`` to see another)."""
-    from ..plan.schedule import make_plan
+    from ..plan.schedule import Loss, make_plan
     step = make_plan(job.schedule, 1 if whole_batch else job.microbatches, stages)
-    table = Table(title=f"schedule {step.name!r}: one step of {step.microbatches} micro-batches over {stages} stages")
+    table = Table(title=f"schedule {step.name.value!r}: one step of {step.microbatches} micro-batches over {stages} stages")
     for col in ("micro-batch", "enters", "backward", "gradients"):
         table.add_column(col)
     for row in step.rows():
         table.add_row(*row)
-    loss = "on the gathered batch" if step.loss == "gathered" else "per micro-batch, weighted by its share"
-    table.caption = (f"distributed-autograd context per {step.context}; loss {loss}; "
+    loss = "on the gathered batch" if step.loss is Loss.GATHERED else "per micro-batch, weighted by its share"
+    table.caption = (f"distributed-autograd context per {step.context.value}; loss {loss}; "
                      f"at most {step.in_flight} micro-batches hold activations on a stage"
                      + ("; the model has BatchNorm, so each training batch runs as 1 micro-batch (Job.batchnorm='batch'; "
                         "'micro' pipelines M with per-micro-batch statistics)" if whole_batch else ""))

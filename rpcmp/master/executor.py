@@ -17,7 +17,7 @@ import torch.distributed.autograd as dist_autograd
 
 from . import inbox
 from ..core.microbatch import batch_size, has_tensors, map_tensors, scatter
-from ..plan.schedule import Plan, make_plan
+from ..plan.schedule import Context, Plan, make_plan
 from ..plan.lengths import check_sizes
 
 __all__ = ["run_step"]
@@ -27,7 +27,7 @@ def run_step(pipe, schedule: str, x: Any, y: Any, chunks: int) -> torch.Tensor:
     """One optimizer step of ``pipe`` on batch ``(x, y)`` in ``chunks`` micro-batches; the loss."""
     check_sizes(pipe.specs[0].sizes, x)  # see [Note: any sequence length]
     plan = make_plan(schedule, chunks, len(pipe.specs))  # scatter refuses a batch of fewer than ``chunks`` samples
-    if plan.context == "step":
+    if plan.context is Context.STEP:
         return _step_in_one_context(pipe, x, y, plan)  # Pipeline.forward scatters
     return _MicroBatches(pipe, plan, x, y).run()
 

@@ -52,7 +52,7 @@ from ..errors import StageError
 from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
 from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
-from ..plan.partition import StageSpec, build_stage
+from ..plan.partition import StageSpec, build_stage, has_batchnorm
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
 from .reduce import StepReduce, add_grads, param_grads
@@ -189,7 +189,7 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
     except Exception as exc:  # noqa: BLE001 - reported on the master
         return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
     keep = bool(options["device_maps"])
-    bn = spec.has_bn or any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    bn = has_batchnorm(module, spec)
     if options["recompute"]:
         make_recomputable(module)
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
@@ -267,8 +267,9 @@ def begin_reduce(pid: int, first_seq: int, count: int, per_microbatch: bool) -> 
         if not params:
             continue
         _count_reduce(host)
+        group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}",
-                                 served.stage_groups[host.spec.index], served.job.replicas, first_seq,
+                                 group, group.size(), first_seq,
                                  count if per_microbatch else 1, hook=per_microbatch and not host.posts)
 
 

@@ -37,7 +37,7 @@ unsplit model's value, by name: parameters and buffers, persistent or not, from
 :func:`build_part` (the construction makes non-persistent buffers as it makes the rest, and
 :func:`keep_persistence` keeps them out of ``state_dict`` as the plain model does); constants
 from the same construction, by their attribute path; the device in the graph from the owner
-(see [Note: a traced graph names the device it was traced on] in :mod:`rpcmp.plan.traced`). Then
+(see [Note: a traced graph names the device it was traced on] in :mod:`rpcmp.plan.graphs`). Then
 :func:`check_materialized` walks the stage's tensors and graphs and refuses, by name, anything
 on the meta device, a graph that would still create tensors there, and a parameter holding NaN
 (memory nothing wrote), so a stage never runs on memory without a value. ``rpcmp plan --check``
@@ -121,7 +121,7 @@ def attach_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
 def graph_constants(module: nn.Module) -> list[str]:
     """Qualified names of the tensors ``module``'s graphs read that are neither parameters nor
     buffers: constants the trace lifted (a plain tensor attribute, a tensor ``forward`` made)."""
-    from .traced import graphs
+    from .graphs import graphs
     held = set(tensor_table(module))
     found = []
     for prefix, _, graph in graphs(module):
@@ -165,7 +165,7 @@ def check_materialized(modules: dict[str, nn.Module], where: str) -> None:
     """Refuse, by name, a built stage that would read a tensor with no value: a parameter, buffer or
     constant left on the meta device, a graph that creates tensors on the meta device, or a
     parameter holding NaN (memory that was never written). See [Note: every tensor a stage reads]."""
-    from .traced import graph_devices
+    from .graphs import graph_devices
     on_meta, nan, nodes = [], [], []
     for kind, module in modules.items():
         seen = set()

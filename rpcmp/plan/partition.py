@@ -29,12 +29,13 @@ from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
 from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
-from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, forget_trace, from_example,
-                     place_graph, stage_module, trace_split)
+from .graphs import forget_trace, place_graph
+from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example,
+                     stage_module, trace_split)
 from .lengths import input_sizes
 from ..errors import PartitionError
 
-__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind"]
+__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "declaration_kind", "has_batchnorm"]
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,7 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
     pipes = [trace_split(meta_model(job), job.stages, example), trace_split(meta_model(job).eval(), job.stages, example)]
     if not meta:
         for pipe in pipes:  # see [Note: a traced graph names the device it was traced on]
-            place_graph(pipe, spec.index, torch.device(device or "cpu"))
+            place_graph(pipe.get_stage_module(spec.index), torch.device(device or "cpu"))
     stage = stage_module(pipes[0], spec.index)
     evaluated = attach_eval(stage, pipes[1], spec.index)
     if meta:
@@ -264,12 +265,20 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
     evaluated = trace_split(meta_model(job).eval(), job.stages, example)  # see [Note: a traced stage in eval mode]
     check_same_cut(pipe, evaluated)
     check_any_batch_size(evaluated, example)
-    bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    bn = has_batchnorm(model)
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
                       example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i],
                       sizes=input_sizes(pipe, example))
             for i in range(pipe.num_stages)]
+
+
+def has_batchnorm(module: nn.Module, spec: StageSpec | None = None) -> bool:
+    """Whether a stage (or model) normalizes over the batch: its micro-batches then see other
+    statistics than the whole batch (Job.batchnorm). A traced stage's graph holds no BatchNorm
+    module: its spec says whether the model had one."""
+    return bool(spec is not None and spec.has_bn) or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                                                          for m in module.modules())
 
 
 def _cache_hint(model: nn.Module) -> str:

@@ -11,21 +11,41 @@ checked by unit tests; the executor runs any plan. Why each schedule is what it 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
-__all__ = ["Plan", "make_plan", "SCHEDULES"]
+__all__ = ["Plan", "make_plan", "SCHEDULES", "Schedule", "Context", "Loss"]
 
-SCHEDULES = ("overlap", "1f1b", "gpipe")
+
+class Schedule(str, Enum):
+    OVERLAP = "overlap"
+    ONE_F_ONE_B = "1f1b"
+    GPIPE = "gpipe"
+
+
+class Context(str, Enum):
+    """How many distributed-autograd contexts a step uses."""
+    STEP = "step"  # one for the whole step
+    MICRO_BATCH = "micro-batch"  # one per micro-batch, merged before the step
+
+
+class Loss(str, Enum):
+    """Where the loss is computed."""
+    GATHERED = "gathered"  # once, on the whole batch's output
+    MICRO_BATCH = "micro-batch"  # per micro-batch, each weighted by its share
+
+
+SCHEDULES = tuple(s.value for s in Schedule)  # the names Job.schedule and --schedule accept
 
 
 @dataclass(frozen=True)
 class Plan:
     """What one optimizer step of a schedule does with ``microbatches`` micro-batches over ``stages`` stages."""
 
-    name: str
+    name: Schedule
     microbatches: int
     stages: int
-    context: str  # "step": one distributed-autograd context; "micro-batch": one per micro-batch
-    loss: str  # "gathered": once on the whole batch's output; "micro-batch": each weighted by its share
+    context: Context
+    loss: Loss
     # micro-batch i enters the pipeline at once (None) or when micro-batch admit_after[i]'s gradients are merged
     admit_after: tuple[int | None, ...]
     # (i, into): micro-batch i's gradients are added into micro-batch ``into``'s context, one pair after the other
@@ -43,7 +63,7 @@ class Plan:
         rows = []
         for i, after in enumerate(self.admit_after):
             enters = "at once" if after is None else f"when {after}'s gradients are merged"
-            if self.context == "step":
+            if self.context is Context.STEP:
                 backward, grads = "one backward of the step's loss", "in the step's context"
             else:
                 backward = "as soon as its output arrives"
@@ -56,14 +76,15 @@ def make_plan(name: str, microbatches: int, stages: int) -> Plan:
     """The plan of schedule ``name`` for ``microbatches`` micro-batches over ``stages`` stages."""
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    name = Schedule(name)
     if microbatches < 1 or stages < 1:
         raise ValueError(f"a plan needs at least one micro-batch and one stage, got {microbatches} and {stages}")
     m = microbatches
-    if name == "gpipe":
-        return Plan(name, m, stages, "step", "gathered", (None,) * m, ())
+    if name is Schedule.GPIPE:
+        return Plan(name, m, stages, Context.STEP, Loss.GATHERED, (None,) * m, ())
     merges = tuple((i, 0) for i in range(1, m))
-    if name == "overlap":
-        return Plan(name, m, stages, "micro-batch", "micro-batch", (None,) * m, merges)
+    if name is Schedule.OVERLAP:
+        return Plan(name, m, stages, Context.MICRO_BATCH, Loss.MICRO_BATCH, (None,) * m, merges)
     # 1f1b: micro-batch i enters when i - S has left every stage, so at most S hold activations
-    return Plan(name, m, stages, "micro-batch", "micro-batch",
+    return Plan(name, m, stages, Context.MICRO_BATCH, Loss.MICRO_BATCH,
                 tuple(i - stages if i >= stages else None for i in range(m)), merges)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -53,8 +53,8 @@ from torch import nn
 
 from ..errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "place_graph", "graph_devices", "graphs", "forget_trace", "attach_eval",
-           "check_same_cut", "run_stages", "check_any_batch_size", "example_of", "from_example"]
+__all__ = ["SplitAt", "trace_split", "stage_module", "attach_eval",
+           "check_same_cut", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example"]
 
 
 @dataclass(frozen=True)
@@ -207,15 +207,26 @@ def _wire(value):
 
 def run_stages(stages: list[nn.Module], x: Any) -> Any:
     """Run routed stages one after another in this process, mail included (checks and tests)."""
+    for _, x in stage_flow(stages, x):
+        pass
+    return x
+
+
+def stage_flow(stages: list[nn.Module], x: Any, call: Callable | None = None):
+    """Yield (what stage i sent, the input of the next stage) as the stages run one after another in
+    this process, values posted to later stages delivered; ``call(stage, input)`` runs one (default: the
+    stage itself; a None output ends what is known)."""
     mail: dict[int, dict] = {}
     for i, stage in enumerate(stages):
-        route = stage.forward
-        x = stage((x, mail.pop(i, {})) if route.mail_in else x)
-        if route.posts:
-            x, posts = x
-            for j, values in posts.items():
+        route = stage.__dict__.get("forward")  # a traced stage's route; a named stage has none
+        if x is not None and getattr(route, "mail_in", ()):
+            x = (x, mail.pop(i, {}))
+        sent = x = None if x is None else call(stage, x) if call else stage(x)
+        if sent is not None and getattr(route, "posts", False):
+            x, posted = sent
+            for j, values in posted.items():
                 mail.setdefault(j, {}).update(values)
-    return x
+        yield sent, x
 
 
 def _split_graph(pipe) -> tuple[list, dict[str, tuple], list[str]]:
@@ -304,64 +315,6 @@ def stage_module(pipe, index: int) -> nn.Module:
     module = _graph_module(pipe, index)
     module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe))
     return module
-
-
-def place_graph(pipe, index: int, device: torch.device) -> None:
-    """Make stage ``index`` of ``pipe``, traced on the meta device, create its tensors on ``device``.
-
-    [Note: a traced graph names the device it was traced on]
-    ``torch.export`` records the device of every tensor ``forward`` creates: ``torch.arange(t,
-    device=idx.device)`` (positions), a causal mask, ``.to(x.device)``, and the device checks export
-    inserts (``_assert_tensor_metadata``). Traced on the meta device, the graph says ``meta`` there,
-    and on an owner such a tensor is made on the meta device: an op between it and a real tensor
-    either fails ("Tensor device mismatch") or, for some kernels, reads memory that holds nothing
-    (a nanoGPT-style decoder's positional embedding gave NaN). Every ``meta`` in the graph's
-    arguments is rewritten to the owner's device before the stage runs, and
-    :func:`rpcmp.plan.materialize.check_materialized` refuses a stage whose graph still names ``meta``.
-    Must run before :func:`stage_module` / :func:`attach_eval`, which capture ``forward``."""
-    hits = []
-
-    def swap(a):
-        if isinstance(a, torch.device) and a.type == "meta":
-            hits.append(a)
-            return device
-        return a
-    for _, module, graph in graphs(pipe.get_stage_module(index)):
-        hits.clear()
-        for node in graph.nodes:
-            before = len(hits)
-            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), swap)
-            if len(hits) > before:
-                node.args, node.kwargs = args, kwargs
-        if hits:
-            module.recompile() if isinstance(module, torch.fx.GraphModule) else module.finalize()
-
-
-def graph_devices(module: nn.Module) -> dict[str, str]:
-    """Nodes of ``module``'s graphs (and its submodules') whose arguments name a device: name -> device."""
-    found = {}
-    for prefix, _, graph in graphs(module):
-        for node in graph.nodes:
-            torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a, n=node, p=prefix: found.__setitem__(
-                f"{p + '.' if p else ''}{n.name}", str(a)) if isinstance(a, torch.device) else None)
-    return found
-
-
-def graphs(module: nn.Module):
-    """(qualified name, submodule, fx graph) of ``module`` and each submodule that runs a graph."""
-    for prefix, m in module.named_modules():
-        graph = getattr(m, "graph", None)
-        if isinstance(graph, torch.fx.Graph):
-            yield prefix, m, graph
-
-
-def forget_trace(modules) -> None:
-    """Drop what tracing left on the graphs' nodes (fake tensors, symbolic sizes, their shape environment):
-    a built stage runs without it, and an owner that builds many stages keeps none of it alive."""
-    for top in modules:
-        for _, _, graph in graphs(top):
-            for node in graph.nodes:
-                node.meta.clear()
 
 
 def _graph_module(pipe, index: int) -> nn.Module:

@@ -15,7 +15,8 @@ from rpcmp.plan.materialize import graph_constants, tensor_table
 from rpcmp.plan.partition import build_stage, plan_stages
 from rpcmp.master.tied import describe, norm_skips, shared_groups
 from rpcmp.plan.lengths import check_sizes
-from rpcmp.plan.traced import graph_devices, run_stages
+from rpcmp.plan.graphs import graph_devices
+from rpcmp.plan.traced import run_stages
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
 from helpers import job_path, load  # noqa: E402

@@ -1,0 +1,66 @@
+"""The fx graphs inside a traced stage: the devices they name, rewritten for the owner, and what
+tracing left on their nodes."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["place_graph", "graph_devices", "graphs", "forget_trace"]
+
+
+def place_graph(stage: nn.Module, device: torch.device) -> None:
+    """Make a stage traced on the meta device (``pipe.get_stage_module(i)``) create its tensors on ``device``.
+
+    [Note: a traced graph names the device it was traced on]
+    ``torch.export`` records the device of every tensor ``forward`` creates: ``torch.arange(t,
+    device=idx.device)`` (positions), a causal mask, ``.to(x.device)``, and the device checks export
+    inserts (``_assert_tensor_metadata``). Traced on the meta device, the graph says ``meta`` there,
+    and on an owner such a tensor is made on the meta device: an op between it and a real tensor
+    either fails ("Tensor device mismatch") or, for some kernels, reads memory that holds nothing
+    (a nanoGPT-style decoder's positional embedding gave NaN). Every ``meta`` in the graph's
+    arguments is rewritten to the owner's device before the stage runs, and
+    :func:`rpcmp.plan.materialize.check_materialized` refuses a stage whose graph still names ``meta``.
+    Must run before :func:`rpcmp.plan.traced.stage_module` / ``attach_eval``, which capture ``forward``."""
+    hits = []
+
+    def swap(a):
+        if isinstance(a, torch.device) and a.type == "meta":
+            hits.append(a)
+            return device
+        return a
+    for _, module, graph in graphs(stage):
+        hits.clear()
+        for node in graph.nodes:
+            before = len(hits)
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), swap)
+            if len(hits) > before:
+                node.args, node.kwargs = args, kwargs
+        if hits:
+            module.recompile() if isinstance(module, torch.fx.GraphModule) else module.finalize()
+
+
+def graph_devices(module: nn.Module) -> dict[str, str]:
+    """Nodes of ``module``'s graphs (and its submodules') whose arguments name a device: name -> device."""
+    found = {}
+    for prefix, _, graph in graphs(module):
+        for node in graph.nodes:
+            torch.fx.node.map_aggregate((node.args, node.kwargs), lambda a, n=node, p=prefix: found.__setitem__(
+                f"{p + '.' if p else ''}{n.name}", str(a)) if isinstance(a, torch.device) else None)
+    return found
+
+
+def graphs(module: nn.Module):
+    """(qualified name, submodule, fx graph) of ``module`` and each submodule that runs a graph."""
+    for prefix, m in module.named_modules():
+        graph = getattr(m, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            yield prefix, m, graph
+
+
+def forget_trace(modules) -> None:
+    """Drop what tracing left on the graphs' nodes (fake tensors, symbolic sizes, their shape environment):
+    a built stage runs without it, and an owner that builds many stages keeps none of it alive."""
+    for top in modules:
+        for _, _, graph in graphs(top):
+            for node in graph.nodes:
+                node.meta.clear()
