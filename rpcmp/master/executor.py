@@ -10,7 +10,7 @@ micro-batch] in :mod:`rpcmp.master.pipeline` for why.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -20,10 +20,32 @@ from ..core.microbatch import batch_size, has_tensors, map_tensors, scatter
 from ..plan.schedule import Context, Plan, make_plan
 from ..plan.lengths import check_sizes
 
-__all__ = ["run_step"]
+__all__ = ["run_step", "Steppable"]
 
 
-def run_step(pipe, schedule: str, x: Any, y: Any, chunks: int) -> torch.Tensor:
+class Steppable(Protocol):
+    """What one step asks of a pipeline (:class:`rpcmp.master.pipeline.Pipeline`); nothing else is reached for."""
+
+    pid: int
+    job: Any
+    specs: list
+    places: list
+    owners: list[str]
+    optimizer: Any  # None: no optimizer step (evaluation-only pipelines)
+    sync: Any  # rpcmp.master.sync.LocalMerge or ReplicaReduce
+    loss_checked: bool
+
+    def micro_threads(self, count: int) -> Any: ...  # a thread pool for per-micro-batch drivers
+    def next_seqs(self, count: int) -> list[int]: ...
+    def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any: ...
+    def backward(self, ctx: int, loss: torch.Tensor) -> None: ...
+    def to_fp32(self, out: Any) -> Any: ...
+    def check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None: ...
+    def apply_step(self, ctx_id: int, loss: torch.Tensor) -> None: ...
+    def resync(self) -> None: ...
+
+
+def run_step(pipe: Steppable, schedule: str, x: Any, y: Any, chunks: int) -> torch.Tensor:
     """One optimizer step of ``pipe`` on batch ``(x, y)`` in ``chunks`` micro-batches; the loss."""
     check_sizes(pipe.specs[0].sizes, x)  # see [Note: any sequence length]
     plan = make_plan(schedule, chunks, len(pipe.specs))  # scatter refuses a batch of fewer than ``chunks`` samples
@@ -38,8 +60,8 @@ def _step_in_one_context(pipe, x: Any, y: Any, plan: Plan) -> torch.Tensor:
     with dist_autograd.context() as ctx:
         out = pipe.forward(x, grad=True, chunks=plan.microbatches)
         loss = pipe.job.loss(out, y)
-        pipe._backward(ctx, loss)
-        pipe._apply_step(ctx, loss)
+        pipe.backward(ctx, loss)
+        pipe.apply_step(ctx, loss)
     return loss.detach()
 
 
@@ -50,11 +72,11 @@ class _MicroBatches:
         m = plan.microbatches
         self.pipe, self.plan, self.xs, self.y, self.n = pipe, plan, scatter(x, m), y, batch_size(x)
         self.ys = scatter(y, m) if has_tensors(y) else [y] * m
-        self.seqs = pipe._next_seqs(m)
+        self.seqs = pipe.next_seqs(m)
         self.ctx_ids, self.losses, self.errors = [0] * m, [None] * m, []
         self.backward_done, self.stepped = threading.Barrier(m + 1), threading.Event()
         self.merged = [threading.Event() for _ in range(m)]
-        self.outs = [None] * m if m > 1 and not pipe._loss_checked else None  # kept once, for _check_loss
+        self.outs = [None] * m if m > 1 and not pipe.loss_checked else None  # kept once, for check_loss
         order = [0] + [i for i, _ in plan.merges]
         self.before = {i: order[k - 1] for k, i in enumerate(order) if k}  # merged after this one's merge
         self.into = dict(plan.merges)
@@ -63,10 +85,10 @@ class _MicroBatches:
         pipe = self.pipe
         if pipe.optimizer is not None:
             pipe.sync.begin(pipe, self.seqs[0], len(self.xs), per_microbatch=True)
-        futs = [pipe._micro_threads(len(self.xs)).submit(self._micro, i) for i in range(len(self.xs))]
+        futs = [pipe.micro_threads(len(self.xs)).submit(self._micro, i) for i in range(len(self.xs))]
         try:
             self.backward_done.wait()
-            pipe._apply_step(self.ctx_ids[0], torch.stack(self.losses).sum())
+            pipe.apply_step(self.ctx_ids[0], torch.stack(self.losses).sum())
         except threading.BrokenBarrierError:
             pass
         finally:
@@ -75,11 +97,11 @@ class _MicroBatches:
                 f.result()
         if self.errors:
             inbox.abandon(pipe.pid, self.seqs)
-            pipe._resync()
+            pipe.resync()
             raise min(self.errors, key=lambda e: e[0])[1]  # the first micro-batch's failure, whichever thread saw one first
         total = torch.stack(self.losses).sum()
         if self.outs is not None:
-            pipe._check_loss(self.outs, self.y, total)
+            pipe.check_loss(self.outs, self.y, total)
         return total
 
     def _micro(self, i: int) -> None:
@@ -105,12 +127,12 @@ class _MicroBatches:
 
     def _forward_backward(self, i: int, ctx: int) -> None:
         pipe = self.pipe
-        out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe._owners).wait()
-        out = pipe._fp32(out)
+        out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe.owners).wait()
+        out = pipe.to_fp32(out)
         loss = pipe.job.loss(out, self.ys[i]) * (batch_size(self.xs[i]) / self.n)
         if self.outs is not None:
             self.outs[i] = map_tensors(out, torch.Tensor.detach)
-        pipe._backward(ctx, loss)
+        pipe.backward(ctx, loss)
         self.losses[i] = loss.detach()
 
     def _merge(self, i: int) -> None:

@@ -33,7 +33,7 @@ add up in the same order), each owner adds its gradients into the first context'
 copies of its gradients at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps
 with the first context. The loss of micro-batch i is weighted by its share of the batch,
 which is exact for losses that are means over samples (checked on the first step, see
-:meth:`Pipeline._check_loss`). ``schedule="gpipe"`` keeps one context per step and
+:meth:`Pipeline.check_loss`). ``schedule="gpipe"`` keeps one context per step and
 computes the loss once on the gathered output: exact for any loss (a batch-level Dice,
 say), with less overlap. Every figure behind these choices: benchmarks/PERFORMANCE.md,
 design measurements.
@@ -105,13 +105,13 @@ class Pipeline(PipelineState):
         # how gradients come together before the step: one pipeline's merge, or one copy's share of
         # the replicas' average (rpcmp/master/sync.py; [Note: replicas of a pipeline])
         self.sync = sync or LocalMerge()
-        self._owners = [p.process for p in self.places]
+        self.owners = [p.process for p in self.places]
         served = current()
         self.pid, self._seq = served.next_pipeline_id(), 0
         self.status = status or served.status  # what failure messages say the run was doing
-        self.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self._held().items()}
+        self.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self.held().items()}
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
-        options["owners"], options["deliver"] = list(self._owners), inbox.deliver
+        options["owners"], options["deliver"] = list(self.owners), inbox.deliver
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, stage.build,
@@ -135,7 +135,7 @@ class Pipeline(PipelineState):
         self.nonfinite = NonFinite(job.nonfinite)
         self.gradients = GradientPolicy(job.precision == "fp16", job.clip_grad_norm)
         self.fields = StageFields((cls, kwargs), job.scheduler, self._write_fields)  # see [Note: schedulers in pipeline mode]
-        self._loss_checked = False  # see _check_loss
+        self.loss_checked = False  # see check_loss
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
     @staticmethod
@@ -154,16 +154,16 @@ class Pipeline(PipelineState):
         check_sizes(self.specs[0].sizes, x)  # see [Note: any sequence length]
         parts = scatter(x, chunks or self.microbatches)
         first = self.places[0].process
-        seqs = self._next_seqs(len(parts))
+        seqs = self.next_seqs(len(parts))
         try:
-            outs = wait_all([inbox.send(self.pid, s, first, p, grad, self._owners) for s, p in zip(seqs, parts)])
+            outs = wait_all([inbox.send(self.pid, s, first, p, grad, self.owners) for s, p in zip(seqs, parts)])
         except Exception:
             inbox.abandon(self.pid, seqs)
-            self._resync()
+            self.resync()
             raise
-        return gather([self._fp32(out) for out in outs])
+        return gather([self.to_fp32(out) for out in outs])
 
-    def _fp32(self, out: Any) -> Any:
+    def to_fp32(self, out: Any) -> Any:
         if self.job.precision == "fp32":
             return out
         return map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)  # the loss is computed in fp32
@@ -176,14 +176,14 @@ class Pipeline(PipelineState):
         """
         return run_step(self, self.schedule, x, y, chunks or self.batch_chunks)
 
-    def _micro_threads(self, count: int) -> ThreadPoolExecutor:
+    def micro_threads(self, count: int) -> ThreadPoolExecutor:
         """The master's micro-batch threads: every micro-batch of a step must run at once (a barrier)."""
         if count > self._threads._max_workers:
             self._threads.shutdown(wait=False)
             self._threads = ThreadPoolExecutor(count, thread_name_prefix="rpcmp-micro")
         return self._threads
 
-    def _check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None:
+    def check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None:
         """Once per pipeline: warn if the micro-batches' weighted losses do not add up to the
         loss of the whole batch, i.e. ``Job.loss`` is not a mean over samples (a batch-level
         Dice, a sum): the per-micro-batch schedules then train on another loss than the
@@ -195,7 +195,7 @@ class Pipeline(PipelineState):
             whole = None
         if whole is not None and not (torch.isfinite(whole).all() and torch.isfinite(total).all()):
             return  # a later step checks
-        self._loss_checked = True
+        self.loss_checked = True
         if whole is None or whole.shape != total.shape:
             return
         if not torch.allclose(total.float(), whole, rtol=1e-4, atol=1e-6):
@@ -206,7 +206,7 @@ class Pipeline(PipelineState):
                 f"on another loss than the unsplit model; Job(schedule='gpipe') computes it once on the whole batch",
                 RuntimeWarning, stacklevel=4)
 
-    def _backward(self, ctx: int, loss: torch.Tensor) -> None:
+    def backward(self, ctx: int, loss: torch.Tensor) -> None:
         """``dist_autograd.backward``, with a failure on another process named by its stages."""
         try:
             dist_autograd.backward(ctx, [self._scaled(loss)])
@@ -216,9 +216,9 @@ class Pipeline(PipelineState):
                 node, text = found.group(1), found.group(2)
             if node is None:
                 raise
-            names = {rpc.get_worker_info(o).id: o for o in set(self._owners)}
+            names = {rpc.get_worker_info(o).id: o for o in set(self.owners)}
             owner = names.get(int(node), f"rank {node}")
-            held = ", ".join(f"stage {s.index} ({s.name})" for s in self._held().get(owner, []))
+            held = ", ".join(f"stage {s.index} ({s.name})" for s in self.held().get(owner, []))
             raise StageError(f"the backward pass failed on {owner} ({held or 'no stage'}): {text}") from None
 
     @property
@@ -226,7 +226,7 @@ class Pipeline(PipelineState):
         """Micro-batches per training batch: M, or 1 for whole-batch BatchNorm."""
         return 1 if self.whole_batch_bn else self.microbatches
 
-    def _apply_step(self, ctx_id: int, loss: torch.Tensor) -> None:
+    def apply_step(self, ctx_id: int, loss: torch.Tensor) -> None:
         """The optimizer step of context ``ctx_id`` after the step's backward, as the policy allows
         (non-finite loss, fp16 overflow); with replicas, on gradients averaged over the copies."""
         if self.optimizer is None:
@@ -253,7 +253,7 @@ class Pipeline(PipelineState):
         False: skip this step (an fp16 overflow)."""
         if not self.gradients.needs_norm:
             return True
-        skip = tied.norm_skips(self.specs, self._owners)  # a shared parameter counts once
+        skip = tied.norm_skips(self.specs, self.owners)  # a shared parameter counts once
         sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id, skip.get(o, ()))) for o in self.param_owners])
         coef = self.gradients.coefficient(math.sqrt(sum(sq)))
         if coef is None:
@@ -320,7 +320,7 @@ class Pipeline(PipelineState):
         """Steps whose update ``Job(nonfinite="skip")`` skipped."""
         return self.nonfinite.skipped
 
-    def _next_seqs(self, count: int) -> list[int]:
+    def next_seqs(self, count: int) -> list[int]:
         seqs = list(range(self._seq, self._seq + count))
         self._seq += count
         return seqs
@@ -341,17 +341,17 @@ class Pipeline(PipelineState):
     def explain(self, exc: BaseException) -> BaseException:
         """``exc`` as a :class:`~rpcmp.errors.WorkerLostError` naming the owner that stopped
         answering, if one did (see :func:`rpcmp.core.health.explain`)."""
-        return health.explain(exc, set(self._owners), self.status)
+        return health.explain(exc, set(self.owners), self.status)
 
     @property
     def rows(self) -> list[tuple[int, StageSpec, Place]]:
         """(replica, stage, place) of every stage, for the run's summary (one replica here)."""
         return [(0, s, p) for s, p in zip(self.specs, self.places)]
 
-    def _held(self) -> dict[str, list[StageSpec]]:
+    def held(self) -> dict[str, list[StageSpec]]:
         """The stages each process owns, in order."""
         held: dict[str, list[StageSpec]] = {}
-        for spec, owner in zip(self.specs, self._owners):
+        for spec, owner in zip(self.specs, self.owners):
             held.setdefault(owner, []).append(spec)
         return held
 
@@ -372,7 +372,7 @@ class Pipeline(PipelineState):
 
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""
-        owners = set(self._owners)
+        owners = set(self.owners)
         wait_all([rpc.rpc_async(o, stage.release, args=(self.pid,)) for o in owners])
         self.optimizer = None
         self.param_rrefs, self.stages = [], []
@@ -382,7 +382,7 @@ class Pipeline(PipelineState):
         return wait_all([rpc.rpc_async(p.process, fn, args=(self.pid, i) + args)
                          for i, p in enumerate(self.places)])
 
-    def _resync(self) -> None:
+    def resync(self) -> None:
         try:
             self._each(stage.resync, self._seq)
         except Exception:  # the original error is the one worth reporting

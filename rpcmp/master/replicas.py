@@ -122,7 +122,7 @@ class Replicated:
         self.status = self.pipes[0].status
         self.status.stages = {}
         for i, pipe in enumerate(self.pipes):
-            for owner, held in pipe._held().items():
+            for owner, held in pipe.held().items():
                 self.status.stages.setdefault(owner, []).extend(f"replica {i} stage {s.index} {s.name}" for s in held)
 
     # -- what differs: every copy works, on its share ------------------------------------

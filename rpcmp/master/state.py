@@ -20,7 +20,7 @@ __all__ = ["PipelineState"]
 
 class PipelineState:
     """Mixed into :class:`rpcmp.Pipeline`, whose ``pid``, ``places``, ``optimizer``,
-    ``_each`` and ``_held`` it uses."""
+    ``_each`` and ``held`` it uses."""
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The consolidated state of every stage, keyed as in the unsplit model."""
@@ -94,10 +94,10 @@ class PipelineState:
         return True
 
     def _stage_map(self) -> dict[str, list[str]]:
-        return {o: [f"{s.index}:{s.name}" for s in held] for o, held in self._held().items()}
+        return {o: [f"{s.index}:{s.name}" for s in held] for o, held in self.held().items()}
 
     def _rng_owners(self) -> list[str]:
-        return sorted(set(self._owners) | {MASTER})
+        return sorted(set(self.owners) | {MASTER})
 
     @property
     def _remote_optimizers(self) -> list:
