@@ -4,7 +4,7 @@ alternating launches of the bench's own MLP (M=4) or split-Unet step.
     git worktree add /tmp/before <commit>
     .venv/bin/python benchmarks/ab_trees.py /tmp/before . --rounds 4 [--job unet] [--replicas 2]
 
-Each launch runs in a fresh interpreter with ``PYTHONPATH`` set to its tree, so the tree's
+Each launch runs in a fresh interpreter with ``PYTHONPATH`` set to its tree (benchmarks/trees.py), so the tree's
 own ``rpcmp`` is the one imported (and the tree's own ``benchmarks/bench.py`` measures).
 The median over launches of each launch's median step time is reported. ``--replicas 2``:
 the grid bench's 2 replicas x 2 stages layout instead (4 processes, 1 thread each, M=2).
@@ -18,6 +18,8 @@ import sys
 import tempfile
 
 import click
+
+from trees import tree_env
 
 _LAUNCH = r'''
 import os, sys
@@ -81,7 +83,7 @@ def main(trees, job, rounds, replicas):
             grid = [str(replicas)] if replicas > 1 else []
             out = subprocess.run([sys.executable, launcher, tree_abs, "mlp" if job == "mlp" else "unet", job_file, *grid],
                                  capture_output=True, text=True,
-                                 cwd=tree_abs, timeout=600, env={**os.environ, "PYTHONPATH": tree_abs})
+                                 cwd=tree_abs, timeout=600, env=tree_env(tree_abs))
             found = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
             if not found:
                 raise click.ClickException(f"{tree}: no result\n{out.stderr[-2000:]}")

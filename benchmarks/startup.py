@@ -1,10 +1,10 @@
 """Start-up of a local run: from the command's start to the end of its first training step.
 
-    git worktree add /tmp/before <commit>
-    .venv/bin/python benchmarks/startup.py /tmp/before . --rounds 3
+    .venv/bin/python benchmarks/startup.py . --rounds 3                   # ranks forked from a warm server vs spawned
+    .venv/bin/python benchmarks/startup.py /tmp/before . --method forkserver  # two trees
 
 Each launch is a fresh interpreter (as ``rpcmp run JOB --local 3`` is) with ``PYTHONPATH``
-set to the tree: it imports rpcmp, starts the 2 stage processes with the master in itself,
+set to the tree (benchmarks/trees.py): it imports rpcmp, starts the 2 stage processes with the master in itself,
 builds the demo Unet split and runs one training step (M=4). The launches of the trees
 alternate; the median per tree is reported, with the time at which the pipeline was built
 (workers started, RPC joined, stages built) beside it.
@@ -19,16 +19,15 @@ import time
 
 import click
 
-_LAUNCH = r'''
-import os, sys, time
-t0 = float(sys.argv[3])
-tree = sys.argv[1]
-sys.path[:0] = [os.path.join(tree, "benchmarks"), tree]
-import rpcmp, bench
-try:
-    from rpcmp.launch.local import launch_local
-except ImportError:  # trees from before the subpackages (rpcmp/launch/)
-    from rpcmp.local import launch_local
+from trees import tree_env
+
+# The master's part, in a module of its own (benchmarks/trees.py puts it on PYTHONPATH) so that
+# both kinds of launcher can hand it to their processes by reference.
+_MAIN = r'''
+import time
+import bench
+import rpcmp
+
 
 def main(job, world):
     x, y = bench.unet_data()
@@ -36,6 +35,23 @@ def main(job, world):
     built = time.time()
     pipe.train_step(x, y)
     return built, time.time()
+'''
+
+_LAUNCH = r'''
+import os, sys
+t0 = float(sys.argv[3])
+tree = sys.argv[1]
+sys.path[:0] = [os.path.join(tree, "benchmarks"), tree]
+try:  # as `rpcmp run --local` does: the fork server imports while this process does
+    from rpcmp.launch.server import start_server
+    start_server(sys.argv[2])
+except ImportError:  # trees from before it
+    pass
+try:
+    from rpcmp.launch.local import launch_local
+except ImportError:  # trees from before the subpackages (rpcmp/launch/)
+    from rpcmp.local import launch_local
+from rpcmp_startup import main
 
 if __name__ == "__main__":
     built, first = launch_local(sys.argv[2], 3, main)
@@ -46,24 +62,27 @@ if __name__ == "__main__":
 @click.command()
 @click.argument("trees", nargs=-1, required=True)
 @click.option("--rounds", default=3, show_default=True)
-@click.option("--job", default="examples/unet_split/job.py", show_default=True)
-def main(trees, rounds, job):
-    """Time to the first step of a 3-process local run, for each source tree."""
-    times = {t: [] for t in trees}
+@click.option("--job", default="examples/unet_split/job.py", show_default=True, help="The job file, relative to each tree.")
+@click.option("--method", "methods", multiple=True, default=("spawn", "forkserver"), show_default=True,
+              help="How the launcher starts the ranks (RPCMP_START_METHOD); each is measured.")
+def main(trees, rounds, job, methods):
+    """Time to the first step of a 3-process local run, for each source tree and start method."""
+    runs = [(tree, method) for tree in trees for method in methods]
+    times = {run: [] for run in runs}
     for _ in range(rounds):
-        for tree in trees:
-            env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+        for tree, method in runs:
+            env = {**tree_env(tree, {"rpcmp_startup.py": _MAIN}), "RPCMP_START_METHOD": method}
             start = time.time()
-            out = subprocess.run([sys.executable, "-c", _LAUNCH, os.path.abspath(tree), os.path.abspath(job), str(start)],
-                                 capture_output=True, text=True, env=env, check=False)
+            out = subprocess.run([sys.executable, "-c", _LAUNCH, os.path.abspath(tree), os.path.join(os.path.abspath(tree), job), str(start)],
+                                 capture_output=True, text=True, env=env, cwd=os.path.abspath(tree), check=False)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
             if line is None:
-                raise SystemExit(f"{tree} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
+                raise SystemExit(f"{tree} ({method}) failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
             built, first = map(float, line.split()[1:])
-            times[tree].append((built, first))
-            print(f"{tree}: pipeline built at {built:.2f} s, first step done at {first:.2f} s", flush=True)
-    for tree, ts in times.items():
-        print(f"{tree}: median time to the first step {statistics.median(f for _, f in ts):.2f} s "
+            times[(tree, method)].append((built, first))
+            print(f"{tree} ({method}): pipeline built at {built:.2f} s, first step done at {first:.2f} s", flush=True)
+    for (tree, method), ts in times.items():
+        print(f"{tree} ({method}): median time to the first step {statistics.median(f for _, f in ts):.2f} s "
               f"(pipeline built at {statistics.median(b for b, _ in ts):.2f} s) over {len(ts)} launches")
 
 

@@ -8,9 +8,23 @@ Declare stages in a job file, then launch it::
 """
 from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NetworkError, NonFiniteLossError,
                      PartitionError, PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError, WorkerLostError)
-from .job import Job, load_job
-from .plan.partition import Split, SplitAt
-from .master.pipeline import Pipeline
+import importlib
+
+# Imported on first use: `rpcmp run` starts its fork server before this process imports torch.
+_LAZY = {"Job": ".job", "load_job": ".job", "Split": ".plan.partition", "SplitAt": ".plan.partition",
+         "Pipeline": ".master.pipeline"}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rpcmp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY])
 
 __all__ = [
     "Job", "Split", "SplitAt", "Pipeline", "load_job",

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-import rpcmp.launch.local
+import rpcmp.launch.server
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -24,7 +24,7 @@ def _session_tmpdir(tmp_path_factory):
 
 
 # Every model library a test job uses, imported once by the fork server local ranks start from.
-rpcmp.launch.local.preload("segmentation_models_pytorch", "transformers.models.gpt2.modeling_gpt2",
+rpcmp.launch.server.preload("segmentation_models_pytorch", "transformers.models.gpt2.modeling_gpt2",
                     "transformers.models.llama.modeling_llama")
 
 

@@ -108,6 +108,9 @@ def main():
 @job_options
 def run(job_file, nprocs, workers, listen, token_file, overrides):
     """Train JOB_FILE on --local N processes, or on --workers N daemons."""
+    if nprocs is not None and nprocs >= 2:
+        from ..launch.server import start_server
+        start_server(job_file)  # it imports torch and the job's libraries while this process does the same
     from ..launch.local import launch_local
     from ..train.trainer import fit
     if (nprocs is None) == (workers is None):

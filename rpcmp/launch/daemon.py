@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..errors import JobError
 from ..errors import NetworkError
-from .local import process_context
+from .server import process_context, start_server
 from .env import LaunchEnv
 from .network import bound_store, port_free, select_interface
 
@@ -186,6 +186,7 @@ def serve_forever(master: str, rank: int, token: str, poll: float = 1.0) -> None
     """Wait for jobs from ``master`` (HOST:PORT) and serve them as ``rank``, until SIGTERM."""
     host, _, port = master.rpartition(":")
     port = int(port)
+    start_server(every_library=True)  # imports done once, before the first job arrives
     stop = threading.Event()
     child: list = [None]
 

@@ -3,7 +3,6 @@ with a free port chosen by the parent; a child that fails to start ends the run 
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import sys
 import threading
@@ -17,6 +16,7 @@ import torch.distributed.rpc as rpc
 from ..errors import LaunchError, RunAbortedError
 from ..job import Job, load_job
 from .network import bound_store
+from .server import process_context
 from ..plan.placement import process_name
 from ..plan.topology import Topology
 from .runtime import free_port, run_rank
@@ -41,64 +41,6 @@ def _watch_parent(parent: int) -> None:
                 os._exit(3)
             time.sleep(0.5)
     threading.Thread(target=loop, daemon=True, name="rpcmp-parent-watch").start()
-
-
-# Third-party libraries worth importing once in the fork server when the job imports them.
-_HEAVY = ("segmentation_models_pytorch", "transformers", "torchvision", "timm")
-_EXTRA: list[str] = []
-
-
-def preload(*modules: str) -> None:
-    """Also import ``modules`` in the fork server when it starts (a test suite or a notebook
-    that will launch several jobs); no effect on a server already running."""
-    _EXTRA.extend(modules)
-
-
-def process_context(job_path: str | None = None) -> Any:
-    """The multiprocessing context local ranks and a daemon's jobs start from.
-
-    [Note: forked from a warm server]
-    Every rank imports torch, rpcmp and the job's model library before it can join the RPC
-    world: 3-5 s of CPU each, paid by every process of every run (with ``spawn``, N processes
-    on 2 cores paid it side by side). A ``forkserver`` imports them once, in a server
-    started at the first launch of this process, and forks each rank from it, so a rank
-    starts with its imports done (measured: benchmarks/startup.py). What the server holds is
-    fixed when it starts: the modules below (torch, every rpcmp module, and the heavy model
-    libraries the job file imports, never the job's own code, which might touch CUDA or
-    start threads), and its environment; each child is handed the launcher's current
-    environment (:func:`_local_child`), so a variable set after the server started still
-    reaches it. The server exits with its launcher; a forked rank watches both.
-    """
-    ctx = mp.get_context("forkserver")
-    modules = ["torch", "torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim",
-               "torch.export", *_rpcmp_modules(), *_EXTRA]
-    if job_path is not None:
-        modules += [m for m in _HEAVY if m in _imported_by(job_path)]
-    ctx.set_forkserver_preload(list(dict.fromkeys(modules)))
-    return ctx
-
-
-def _rpcmp_modules() -> list[str]:
-    import pkgutil
-
-    import rpcmp
-    return [m.name for m in pkgutil.walk_packages(rpcmp.__path__, "rpcmp.") if not m.name.endswith("__main__")]
-
-
-def _imported_by(job_path: str) -> set[str]:
-    """The top-level packages a job file imports (read, not run)."""
-    import ast
-    try:
-        tree = ast.parse(open(job_path).read())
-    except (OSError, SyntaxError, ValueError):
-        return set()  # load_job says what is wrong with it
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
-    return names
 
 
 # A local run talks on loopback only, whatever RPCMP_IFACE / --iface say (they are for multi-node runs).
