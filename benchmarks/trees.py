@@ -1,8 +1,9 @@
 """Run a source tree's own rpcmp: the environment for a fresh interpreter (and every process it
 starts) that imports ``rpcmp`` from ``tree``, not from the editable install of this checkout.
 
-setuptools' editable install puts a finder on ``sys.meta_path`` that wins over ``PYTHONPATH``;
-a ``sitecustomize`` in a folder of its own, first on ``PYTHONPATH``, takes it off again in every
+setuptools' editable install puts a finder on ``sys.meta_path``, after ``sys.path``: a module the
+tree lacks (another layout) is then found in the checkout, and the two trees mix. A
+``sitecustomize`` in a folder of its own, first on ``PYTHONPATH``, takes the finder off in every
 process before anything imports rpcmp (spawned and forked ranks included).
 """
 from __future__ import annotations
