@@ -97,6 +97,7 @@ class Served:
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
         self.nodes: list[str] | None = None  # Job(replicas=R): every rank's node, for the grid
         self.topology = None  # the run's rpcmp.plan.topology.Topology, computed once at start
+        self.traces: dict = {}  # a traced model's split, per job and example (rpcmp.plan.partition._traces)
         self._pipeline_ids = itertools.count()
 
     def next_pipeline_id(self) -> int:

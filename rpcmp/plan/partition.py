@@ -29,8 +29,9 @@ from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
 from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
+from ..core.served import current
 from .graphs import forget_trace, place_graph
-from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example,
+from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      stage_module, trace_split)
 from .lengths import input_sizes
 from ..errors import PartitionError
@@ -208,13 +209,13 @@ def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
 def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device | str | None = None) -> nn.Module:
     """Trace the model on the meta device as the master did, then give this stage, and only it,
     the unsplit model's values: every tensor its graphs read (see [Note: every tensor a stage reads])."""
-    example = from_example(spec.example, "meta")
-    pipes = [trace_split(meta_model(job), job.stages, example), trace_split(meta_model(job).eval(), job.stages, example)]
+    pipes = _traces(job, spec.example)
+    modules = [graph_copy(pipe, spec.index) for pipe in pipes]  # the traces stay as they are for the next build
     if not meta:
-        for pipe in pipes:  # see [Note: a traced graph names the device it was traced on]
-            place_graph(pipe.get_stage_module(spec.index), torch.device(device or "cpu"))
-    stage = stage_module(pipes[0], spec.index)
-    evaluated = attach_eval(stage, pipes[1], spec.index)
+        for module in modules:  # see [Note: a traced graph names the device it was traced on]
+            place_graph(module, torch.device(device or "cpu"))
+    stage = stage_module(pipes[0], spec.index, modules[0])
+    evaluated = attach_eval(stage, pipes[1], spec.index, modules[1])
     if meta:
         meta_values = tensor_table(meta_model(job)) if spec.unused else {}
         for name in spec.unused:
@@ -237,6 +238,19 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
     check_materialized({"train": stage, "eval": evaluated}, f"stage {spec.index} ({spec.name})")
     forget_trace((stage, evaluated))
     return stage
+
+
+def _traces(job, example: tuple) -> list:
+    """The model traced on the meta device, in train and eval mode, as the master traced it: once per
+    process and run for a job and example (an owner builds a stage again for every Pipeline of a run:
+    the trace is most of a build's time), kept in the process's served object."""
+    cache = current().traces
+    key = (id(job), repr(job.stages), repr(example))
+    if key not in cache or cache[key][0] is not job:
+        sample = from_example(example, "meta")
+        cache[key] = (job, [trace_split(meta_model(job), job.stages, sample),
+                            trace_split(meta_model(job).eval(), job.stages, sample)])
+    return cache[key][1]
 
 
 def _on_meta(sample: Any) -> Any:

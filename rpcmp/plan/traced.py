@@ -43,6 +43,7 @@ Dimension 1 (tokens, time) is traced as dynamic too: see [Note: any sequence len
 """
 from __future__ import annotations
 
+import copy
 import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -53,7 +54,7 @@ from torch import nn
 
 from ..errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "attach_eval",
+__all__ = ["SplitAt", "trace_split", "stage_module", "graph_copy", "attach_eval",
            "check_same_cut", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example"]
 
 
@@ -309,10 +310,10 @@ def check_any_batch_size(pipe, example: Any) -> None:
             pipe.get_stage_module(i).__dict__.pop("forward", None)
 
 
-def stage_module(pipe, index: int) -> nn.Module:
-    """Stage ``index`` of the traced ``pipe``, callable with one argument as every rpcmp stage is
-    (see :class:`_Route`)."""
-    module = _graph_module(pipe, index)
+def stage_module(pipe, index: int, module: nn.Module | None = None) -> nn.Module:
+    """Stage ``index`` of the traced ``pipe`` (or ``module``, a :func:`graph_copy` of it), callable with one
+    argument as every rpcmp stage is (see :class:`_Route`)."""
+    module = _graph_module(pipe, index) if module is None else module
     module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe))
     return module
 
@@ -327,11 +328,17 @@ def _graph_module(pipe, index: int) -> nn.Module:
     return module
 
 
-def attach_eval(stage: nn.Module, eval_pipe, index: int) -> nn.Module:
-    """Give traced ``stage`` the graph of the model traced in eval mode, run when ``stage.eval()``;
-    returns that graph's module, whose tensors the caller makes the stage's own (see [Note: a
-    traced stage in eval mode])."""
-    evaluated = _graph_module(eval_pipe, index)
+def graph_copy(pipe, index: int) -> nn.Module:
+    """A copy of stage ``index``'s graph module that a build may change (devices, tensors, its route)
+    while ``pipe`` stays as traced for the next build (node metadata is shared, not copied)."""
+    return copy.deepcopy(_graph_module(pipe, index))
+
+
+def attach_eval(stage: nn.Module, eval_pipe, index: int, module: nn.Module | None = None) -> nn.Module:
+    """Give traced ``stage`` the graph of the model traced in eval mode (or ``module``, a copy of it), run
+    when ``stage.eval()``; returns that graph's module, whose tensors the caller makes the stage's own
+    (see [Note: a traced stage in eval mode])."""
+    evaluated = _graph_module(eval_pipe, index) if module is None else module
     stage.forward.module, stage.forward.eval_forward = stage, evaluated.forward
     return evaluated
 
