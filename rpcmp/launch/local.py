@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.rpc as rpc
 
-from ..errors import LaunchError, RunAbortedError
+from ..errors import LaunchError, RpcmpError, RunAbortedError
 from ..job import Job, load_job
 from .network import bound_store
 from .server import process_context
@@ -62,13 +62,19 @@ def _local_child(job_path, rank, world_size, port, overrides, main, results, par
     os.environ.clear()
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
     try:
+        # Said once, by the parent: a job that fails to import in this process (a LaunchError naming it),
+        # and a world that cannot hold the stages, the job's own mistake (the same on every rank), as is.
         try:
             job = load_job(job_path, overrides=overrides)  # fails here, not in the RPC rendezvous: see _wait_started
-            Topology.of(job, world_size)  # a world that cannot hold the stages, said once by the parent
-        except Exception as exc:  # noqa: BLE001 - reported by the parent, once
-            started.put((rank, f"{type(exc).__name__}: {exc}"))
+        except Exception as exc:  # noqa: BLE001
+            started.put((rank, f"{type(exc).__name__}: {exc}", None))
             sys.exit(1)
-        started.put((rank, None))
+        try:
+            Topology.of(job, world_size)
+        except Exception as exc:  # noqa: BLE001
+            started.put((rank, f"{type(exc).__name__}: {exc}", _input_mistake(exc)))
+            sys.exit(1)
+        started.put((rank, None, None))
         try:
             out = run_rank(job_path, rank, world_size, main, overrides, local_procs=world_size)
         except RunAbortedError:
@@ -149,6 +155,17 @@ def _master_here(job_path, nprocs, port, main, overrides, procs, deadline, timeo
     return result
 
 
+def _input_mistake(exc: BaseException) -> BaseException | None:
+    """``exc`` if it is a mistake in the job (an rpcmp input error: ValueError) that survives pickling."""
+    import pickle
+    if not isinstance(exc, RpcmpError) or not isinstance(exc, ValueError):
+        return None
+    try:
+        return pickle.loads(pickle.dumps(exc)) and exc
+    except Exception:  # noqa: BLE001 - said as text then
+        return None
+
+
 def _wait_started(started, procs, deadline) -> None:
     """Wait until every child has imported the job; raise at once, naming the rank and its
     error, if one dies first (instead of the others waiting out the RPC rendezvous)."""
@@ -156,7 +173,7 @@ def _wait_started(started, procs, deadline) -> None:
     waiting = {int(p.name.removeprefix("worker")) if p.name != "master" else 0: p for p in procs}
     while waiting:
         try:
-            rank, error = started.get(timeout=0.2)
+            rank, error, mistake = started.get(timeout=0.2)
         except queue.Empty:
             dead = [(r, p.exitcode) for r, p in waiting.items() if p.exitcode is not None]
             if dead and started.empty():  # (a child that said why before exiting is reported by what it said)
@@ -166,6 +183,8 @@ def _wait_started(started, procs, deadline) -> None:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{[process_name(r) for r in waiting]} did not start in time") from None
             continue
+        if mistake is not None:
+            raise mistake  # the job's own mistake (JobError, PlacementError, ...), as the master would have said it
         if error is not None:
             raise LaunchError(f"{process_name(rank)} (rank {rank}) failed while starting, before joining the job: {error}")
         waiting.pop(rank, None)

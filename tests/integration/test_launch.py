@@ -121,3 +121,14 @@ def test_launch_local_called_again_in_the_same_process_works(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     losses = eval(proc.stdout.strip().splitlines()[-1])
     assert len(losses) == 3 and losses[0] == losses[1] == losses[2]  # the same job, from the same seed
+
+
+@pytest.mark.timeout(120)
+def test_a_placement_the_world_cannot_hold_is_the_jobs_mistake_said_once(tmp_path):
+    job = tmp_path / "badplace.py"
+    job.write_text("import sys\nsys.path.insert(0, %r)\nfrom mlp import job\njob.placement = ['worker1/cpu', 'worker7/cpu']\n"
+                   % os.path.dirname(job_path("mlp")))
+    proc = _run([os.path.join(BIN, "rpcmp"), "run", str(job), "--local", "3"], timeout=90)
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # an input mistake, not a failed run
+    assert "error: PlacementError: stage 1 is placed on 'worker7', which is not a process of this run" in proc.stderr
+    assert proc.stderr.count("error:") == 1 and "LaunchError" not in proc.stderr, proc.stderr
