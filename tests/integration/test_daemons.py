@@ -9,10 +9,24 @@ import time
 import pytest
 
 from helpers import job_path
-from rpcmp.launch.runtime import free_port
+from rpcmp.launch.runtime import free_port as _one_free_port
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+
+
+def free_port() -> int:
+    """A port free together with the next one: the master takes PORT for RPC and PORT+1 for job offers
+    (a free PORT alone left PORT+1 to chance: seen taken once, "port ... is in use")."""
+    import socket
+    while True:
+        port = _one_free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except (OSError, OverflowError):  # taken, or PORT was 65535
+                continue
 
 
 def _master(port, token_file, *args, workers=2, **kw):
