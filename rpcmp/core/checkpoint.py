@@ -53,7 +53,7 @@ from ..errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "save_stage_file", "load_checkpoint",
            "read_part", "read_state_file", "export_model", "latest_checkpoint", "check_model_keys", "new_run_id",
-           "model_fingerprint"]
+           "model_fingerprint", "complete_stems", "remove_incomplete"]
 
 FORMAT = "rpcmp-checkpoint/1"
 STAGE_FORMAT = "rpcmp-stage/1"
@@ -150,12 +150,45 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def latest_checkpoint(directory: str) -> str | None:
-    """The consolidated checkpoint written last in ``directory`` (of whichever run), or None."""
-    found = _checkpoints(directory)
+def latest_checkpoint(directory: str, run: str | None = None) -> str | None:
+    """The consolidated checkpoint written last in ``directory`` (of run ``run`` if given, else of
+    whichever run), or None."""
+    found = [f for f in _checkpoints(directory) if run is None or f[1] == run]
     if not found:
         return None
     return max(found, key=lambda f: (os.stat(f[2]).st_mtime_ns, f[0]))[2]
+
+
+def complete_stems(directory: str) -> set[str]:
+    """The names (without ``.pt``) of the complete checkpoints in ``directory``: those whose index exists."""
+    return {os.path.basename(p)[:-3] for _, _, p in _checkpoints(directory)}
+
+
+def remove_incomplete(directory: str, complete: set[str]) -> list[tuple[str, int]]:
+    """Remove what an interrupted save left in ``directory``: files written half (``*.pt.tmp``) and
+    stage parts of a checkpoint whose index is not among ``complete`` (the stems of the master's
+    folder, which holds every index, also when this folder is another node's). Returns (name, bytes)
+    of each file removed. [Note: what a killed save leaves] A process killed while it saves leaves
+    its ``.tmp``; a master killed between the parts and the index leaves parts that no index names
+    (a part can be hundreds of MiB), and nothing would ever read or prune them (pruning counts the
+    parts of complete steps). A run removes them when it starts, before its first save; two jobs
+    writing into one folder at the same time are not supported."""
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in sorted(os.listdir(directory)):
+        part = _STAGE_NAME.match(name)
+        stale = (name.endswith(".pt.tmp") and name.startswith("step-")) or (
+            part is not None and name[:name.rindex(".stage-")] not in complete)
+        if stale:
+            path = os.path.join(directory, name)
+            try:
+                size = os.path.getsize(path)
+                os.remove(path)
+            except FileNotFoundError:
+                continue
+            removed.append((name, size))
+    return removed
 
 
 def load_checkpoint(path: str) -> dict[str, Any]:

@@ -146,6 +146,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     torch.set_num_threads(job.threads or default_threads(local_procs or env.local_world_size or world_size))
     attempt = _agree_on_attempt(world_size, env)
     served = serve(job)  # what this process serves, fresh for this run: see [Note: one object per process]
+    _remember_runs(served, attempt, env, rank)
     if job.mode == "ddp":
         return _run_ddp_rank(job, rank, world_size, main, env.local_rank)
     _fresh_store_prefix(attempt)
@@ -245,6 +246,25 @@ def _agree_on_attempt(world_size: int, env: LaunchEnv) -> int:
     attempt = (launch_store(60).add("rpcmp/arrived", 1) - 1) // world_size
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     return attempt
+
+
+def _remember_runs(served, attempt: int, env: LaunchEnv, rank: int) -> None:
+    """[Note: a restart resumes by itself]
+    Under ``torchrun --max-restarts``, every process of a failed attempt is started again. The
+    attempt that follows continues the run the one before trained, without ``--resume`` on the
+    command line: the master of each attempt writes its run id into torchrun's agent store, which
+    outlives the attempts (key ``rpcmp/run``), and an attempt after the first reads it back, so the
+    trainer resumes from that run's latest complete checkpoint (not another run's that happens to be
+    newer in a reused folder), or starts that run again from step 0 when none was written. Local runs
+    and worker daemons have no agent to restart them: nothing is read or written there."""
+    served.attempt = attempt
+    if not env.under_torchrun:
+        return
+    store = launch_store(60)
+    if attempt and store.check(["rpcmp/run"]):
+        served.previous_run = store.get("rpcmp/run").decode()
+    if rank == 0:
+        served.keep_run = lambda run: store.set("rpcmp/run", run)
 
 
 def _fresh_store_prefix(attempt: int) -> None:

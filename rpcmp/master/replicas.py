@@ -184,6 +184,9 @@ class Replicated:
     def save_stage_files(self, directory: str, step: int, keep_last: int, run: str | None = None) -> list[dict]:
         return self.pipes[0].save_stage_files(directory, step, keep_last, run)  # written once, not R times
 
+    def remove_incomplete(self, directory: str) -> list[tuple[str, int]]:
+        return self.pipes[0].remove_incomplete(directory)  # the copy that writes the parts
+
     def load_files(self, files: list[str], optimizer: bool = True) -> None:
         self._all(lambda i, p: p.load_files(files, optimizer))
 

@@ -79,6 +79,17 @@ class PipelineState:
         return [{"file": os.path.basename(path), "stage": i, "owner": str(p)}
                 for i, (path, p) in enumerate(zip(paths, self.places))]
 
+    def remove_incomplete(self, directory: str) -> list[tuple[str, int]]:
+        """Remove what an interrupted save left in ``directory`` here and on every owner's node (see
+        [Note: what a killed save leaves] in rpcmp/core/checkpoint.py); (name, bytes) of each file."""
+        from ..core.checkpoint import complete_stems, remove_incomplete
+        complete = complete_stems(directory)
+        removed = remove_incomplete(directory, complete)
+        for part in wait_all([rpc.rpc_async(o, stage_state.remove_incomplete, args=(directory, complete))
+                              for o in sorted(set(self.owners) - {MASTER})]):
+            removed += part
+        return sorted(set(removed))
+
     def rng_state(self) -> dict[str, Any]:
         """Every process's RNG state, by process name, and the stages each one holds."""
         owners = self._rng_owners()

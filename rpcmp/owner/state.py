@@ -11,7 +11,7 @@ from ..core.served import current
 from .stage import named_params
 
 __all__ = ["state_meta", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
-           "load_optimizer_state", "rng_state", "set_rng_state", "save_stage"]
+           "load_optimizer_state", "rng_state", "set_rng_state", "save_stage", "remove_incomplete"]
 
 
 def _cpu_state(host, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -114,3 +114,9 @@ def save_stage(pid: int, index: int, optim_rref, directory: str, step: int, keep
         "model": _cpu_state(host, copy=False),
         "optimizer": optimizer_state(pid, optim_rref, names, copy=False) if optim_rref is not None else {},
     }, step, keep_last, run)
+
+
+def remove_incomplete(directory: str, complete: set[str]) -> list[tuple[str, int]]:
+    """What an interrupted save left in ``directory`` on this owner's node, removed (see rpcmp/core/checkpoint.py)."""
+    from ..core.checkpoint import remove_incomplete as remove
+    return remove(directory, complete)

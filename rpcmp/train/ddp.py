@@ -284,11 +284,18 @@ class DDPEngine:
         if beats.store.get(key) != b"ok":
             raise RunAbortedError(f"rank {self.rank}: rank 0 failed to write the checkpoint of step {step} (its log says why)")
 
-    def resume_checkpoint(self, directory: str) -> dict | None:
-        """Rank 0's latest checkpoint (or None), on every rank: see [Note: DDP checkpoints are rank 0's]."""
+    def remove_incomplete(self, directory: str) -> list[tuple[str, int]]:
+        """Rank 0 writes every file of a DDP checkpoint: it removes what an interrupted save left."""
+        from ..core.checkpoint import complete_stems, remove_incomplete
+        return remove_incomplete(directory, complete_stems(directory)) if self.is_main else []
+
+    def resume_checkpoint(self, directory: str, run: str | None = None) -> dict | None:
+        """Rank 0's latest checkpoint (of run ``run`` if given; or None), on every rank: see [Note: DDP
+        checkpoints are rank 0's]."""
         from ..core.checkpoint import latest_checkpoint, load_checkpoint
         box = [None]
         if self.is_main:
-            box[0] = load_checkpoint(directory) if latest_checkpoint(directory) else None
+            path = latest_checkpoint(directory, run)
+            box[0] = load_checkpoint(path) if path else None
         dist.broadcast_object_list(box, src=0)
         return box[0]

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..core.checkpoint import (CheckpointError, check_model_keys, model_fingerprint,
                          new_run_id, save_checkpoint)
 from ..core import health
+from ..core.served import current
 from ..errors import JobError
 from ..data import datasets
 from .engine import make_engine
@@ -36,8 +37,11 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
 
 def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) -> dict[str, Any]:
     total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
-    step, epoch, first_batch, run = _resume(job, engine, console) if job.resume else (0, 0, 0, None)
+    step, epoch, first_batch, run = _start(job, engine, console)
     run = run or new_run_id()  # see rpcmp/core/checkpoint.py: a run prunes only its own checkpoints
+    served = current()
+    if served.keep_run is not None and engine.is_main:
+        served.keep_run(run)  # a restarted attempt continues this run: see [Note: a restart resumes by itself]
     before = engine.evaluate(heldout) if heldout is not None and job.metric else None
     if before is not None:
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
@@ -177,14 +181,38 @@ def _write(job, engine, run: str, step: int, epoch: int, next_batch: int, rng) -
     }, step, job.keep_last, run)
 
 
-def _resume(job, pipe, console: Console) -> tuple[int, int, int, str | None]:
-    """Load the checkpoint written last in the folder; return (step, epoch, next batch, run it continues)."""
+def _start(job, engine, console: Console) -> tuple[int, int, int, str | None]:
+    """Where training starts: (step, epoch, next batch, run it continues). A restarted attempt under
+    torchrun resumes the earlier attempt's run by itself (see [Note: a restart resumes by itself] in
+    rpcmp/launch/runtime.py); files an interrupted save left are removed first."""
+    served = current()
+    if served.attempt:
+        why = f"attempt {served.attempt + 1} of this job (torchrun restarted it)"
+        if not job.checkpoint_dir:
+            console.print(f"{why}: no --checkpoint-dir, so training starts again from step 0")
+        elif served.previous_run is None and not job.resume:
+            console.print(f"{why}: the attempt before trained no step, so training starts from step 0")
+        else:
+            console.print(f"{why}: continuing run {served.previous_run or '(the latest)'} from {job.checkpoint_dir}")
+    if job.checkpoint_dir:
+        removed = engine.remove_incomplete(job.checkpoint_dir)
+        if removed:
+            console.print(f"removed {len(removed)} files ({sum(b for _, b in removed) / 2**20:.1f} MiB) that an "
+                          f"interrupted save left in {job.checkpoint_dir}: " + ", ".join(n for n, _ in removed[:4])
+                          + (", ..." if len(removed) > 4 else ""))
+    resume = job.resume or (served.previous_run is not None and job.checkpoint_dir)
+    return _resume(job, engine, console, served.previous_run) if resume else (0, 0, 0, None)
+
+
+def _resume(job, pipe, console: Console, run: str | None = None) -> tuple[int, int, int, str | None]:
+    """Load the checkpoint written last in the folder (of run ``run``, if given); return (step, epoch,
+    next batch, run it continues)."""
     if not job.checkpoint_dir:
         raise JobError("resume needs a checkpoint directory: pass --checkpoint-dir DIR (or Job.checkpoint_dir)")
-    ckpt = pipe.resume_checkpoint(job.checkpoint_dir)  # DDP: rank 0's, on every rank
+    ckpt = pipe.resume_checkpoint(job.checkpoint_dir, run)  # DDP: rank 0's, on every rank
     if ckpt is None:
-        console.print(f"no checkpoint in {job.checkpoint_dir} yet: starting from step 0")
-        return 0, 0, 0, None
+        console.print(f"no checkpoint {f'of run {run} ' if run else ''}in {job.checkpoint_dir} yet: starting from step 0")
+        return 0, 0, 0, run
     model = pipe.state_meta()  # keys, shapes and dtypes only: see [Note: a checkpoint nobody holds whole]
     check_model_keys(ckpt, model, "this job's model")
     if ckpt.get("fingerprint") not in (None, model_fingerprint(model)):

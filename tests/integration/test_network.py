@@ -162,7 +162,7 @@ def _fit_steps(job, world_size):
 @pytest.mark.timeout(600)
 def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_uninterrupted_run(tmp_path):
     from helpers import assert_close_f32, run_ranks
-    from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
+    from rpcmp.core.checkpoint import complete_stems, latest_checkpoint, load_checkpoint
     steps, every = 1500, 100
     clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
     logs.mkdir()
@@ -170,7 +170,7 @@ def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_unin
     assert run_ranks("mlp", 3, _fit_steps, {**common, "checkpoint_dir": str(clean)}, timeout=240) == steps
     proc = subprocess.Popen(["bash", SCRIPT, "--timeout", "420", "--logs", str(logs), "--", job_path("mlp"),
                              "--max-steps", str(steps), "--epochs", "100", "--checkpoint-every", str(every),
-                             "--checkpoint-dir", str(faulty), "--resume"],
+                             "--checkpoint-dir", str(faulty)],  # no --resume: a restart resumes by itself
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHON": sys.executable, "COLUMNS": "160",
                                  "RPCMP_NETNS_TORCHRUN_ARGS": "--max-restarts=1"})
@@ -192,10 +192,12 @@ def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_unin
                 proc.kill()
     node_logs = "".join(open(logs / f).read() for f in sorted(os.listdir(logs)))
     assert proc.returncode == 0 and all(f"node{i}: exit 0" in out for i in range(3)), out + node_logs
-    assert "resumed run" in node_logs, node_logs
+    assert "resumed run" in node_logs and "continuing run" in node_logs, node_logs
     a, b = load_checkpoint(str(clean)), load_checkpoint(str(faulty))
     assert a["step"] == b["step"] == steps
     assert_close_f32(b["model"], a["model"])
+    parts = {f.split(".stage-")[0] for f in os.listdir(faulty) if ".stage-" in f}
+    assert not [f for f in os.listdir(faulty) if f.endswith(".tmp")] and parts <= complete_stems(str(faulty))
 
 
 # (nodes, processes per node, the grid the banner shows): 4 nodes of 1 process (the master holds a copy),

@@ -1,6 +1,8 @@
 """Recovery: under torchrun --max-restarts, a job whose worker dies restarts, resumes from
-its last checkpoint, and ends with the same parameters as a run that never failed."""
+its last checkpoint by itself (no --resume), and ends with the same parameters as a run that
+never failed; what an interrupted save left in the folder is gone at the end."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ STEPS = 1500
 def _torchrun(ckpt_dir, *extra):
     return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=3", *extra, "-m", "rpcmp.master",
             job_path("mlp"), "--max-steps", str(STEPS), "--epochs", "100", "--checkpoint-dir", ckpt_dir,
-            "--checkpoint-every", "100", "--resume"]
+            "--checkpoint-every", "100"]
 
 
 def _rank_pid(parent, rank):
@@ -37,6 +39,10 @@ def _rank_pid(parent, rank):
 def test_worker_killed_once_under_torchrun_max_restarts(tmp_path):
     clean, faulty = str(tmp_path / "clean"), str(tmp_path / "faulty")
     subprocess.run(_torchrun(clean), check=True, capture_output=True, timeout=180)
+    os.makedirs(faulty)
+    leftovers = ["step-00000900.0123456789ab.stage-1.pt", "step-00000900.0123456789ab.pt.tmp"]
+    for name in leftovers:  # what a save killed between the parts and the index leaves (another run's)
+        open(os.path.join(faulty, name), "wb").write(b"x" * 1000)
     proc = subprocess.Popen(_torchrun(faulty, "--max-restarts=1"), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -52,7 +58,9 @@ def test_worker_killed_once_under_torchrun_max_restarts(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out
-    assert "resumed run" in out, out
+    assert "removed 2 files" in out and "attempt 2 of this job (torchrun restarted it): continuing run" in out, out
+    assert re.search(r"resumed run [0-9a-f]+ at step [1-9]", out), out
     a, b = load_checkpoint(clean), load_checkpoint(faulty)
     assert a["step"] == b["step"] == STEPS
     assert_close_f32(b["model"], a["model"])
+    assert not [f for f in os.listdir(faulty) if f.endswith(".tmp") or f in leftovers]
