@@ -112,6 +112,7 @@ class Pipeline(PipelineState):
         self.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self.held().items()}
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
         options["owners"], options["deliver"] = list(self.owners), inbox.deliver
+        self.build_options = options  # what a stage built later is built with (rpcmp.master.move)
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, stage.build,
@@ -120,7 +121,8 @@ class Pipeline(PipelineState):
         with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
             built = wait_all(futs)
         raise_failures(built)  # see [Note: failures travel as values]
-        self.param_rrefs = [r for refs, _, _ in built for r in refs]
+        self.stage_rrefs = [refs for refs, _, _ in built]  # each stage's parameters, for the DistributedOptimizer
+        self.param_rrefs = [r for refs in self.stage_rrefs for r in refs]
         # Each stage as PyTorch's RPC API knows it (forward_async, remote_parameters, get_module_rref); the
         # pipeline's own hot path runs the same module on its owner, stage to stage, without these handles.
         self.stages: list[RemoteModule] = [RemoteModule.init_from_module_rref(str(place), module)
@@ -129,7 +131,7 @@ class Pipeline(PipelineState):
             self.init_from(job.init_from)
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn, _ in built)
-        cls, kwargs = optimizer or job.optimizer
+        cls, kwargs = self.optimizer_spec = optimizer or job.optimizer
         self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self.param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.nonfinite = NonFinite(job.nonfinite)
@@ -369,6 +371,12 @@ class Pipeline(PipelineState):
 
     def stats(self) -> list[dict[str, float]]:
         return self._each(stage.stats)
+
+    def move_stage(self, index: int, target: str) -> float:
+        """Move stage ``index`` to process ``target`` (``"worker4"``, ``"worker4/cuda:0"``) between two
+        steps, with everything it holds; returns the seconds it took. See :mod:`rpcmp.master.move`."""
+        from .move import move_stage
+        return move_stage(self, index, target)
 
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""

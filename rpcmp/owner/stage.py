@@ -94,6 +94,7 @@ class StageHost:
     compute: ThreadPoolExecutor = field(default=None)
     events: list | None = None  # (kind, seq, start, end) wall-clock slices while tracing, else None
     _bwd_start: dict = field(default_factory=dict)  # seq -> when its backward reached this stage
+    moved_optimizer: tuple | None = None  # a stage just moved here: its optimizer state and fields (rpcmp.owner.move)
 
     def __post_init__(self):
         threads = torch.get_num_threads()

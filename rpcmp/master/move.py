@@ -1,0 +1,83 @@
+"""Move a stage to another process while training: ``pipe.move_stage(k, "worker4/cpu")``.
+
+[Note: moving a stage]
+Between two steps (nothing in flight), the master has the stage built on its new owner
+with the same ``build`` as at start, and the new owner takes every tensor of it from the
+old one by name, owner to owner (the master never holds it; see [Note: what a stage is, to
+move it] in :mod:`rpcmp.owner.move`). Then every owner of the pipeline learns the new route
+(where stage k - 1 sends its output, where skip values go), the old owner drops its copy, and
+the master makes a new DistributedOptimizer over the new parameter handles: its local
+optimizer on each process takes over the state of the old one for the parameters that
+stayed (the same tensors, not copies) and the moved stage's state by name, with the fields
+the scheduler had set. Nothing else of the pipeline changes: the same split, the same names,
+the same numbers. A run with a move equals one without (tests/integration/test_move.py).
+"""
+from __future__ import annotations
+
+import time
+
+import torch.distributed.rpc as rpc
+from torch.distributed.nn import RemoteModule
+from torch.distributed.optim import DistributedOptimizer
+
+from ..core.futures import raise_failures, wait_all
+from ..errors import JobError, PlacementError
+from ..owner import move as owner_move
+from ..owner import stage
+from ..plan.placement import Place
+from .sync import LocalMerge
+
+__all__ = ["move_stage", "parse_target"]
+
+
+def parse_target(target: str) -> Place:
+    """``"worker4"`` or ``"worker4/cuda:0"`` as a :class:`Place` of a process of this run."""
+    process, _, device = str(target).partition("/")
+    try:
+        rpc.get_worker_info(process)
+    except RuntimeError:
+        raise PlacementError(f"cannot move a stage to {target!r}: {process!r} is not a process of this run "
+                             f"(processes are named master, worker1, worker2, ...)") from None
+    return Place(process, device or "cpu")
+
+
+def move_stage(pipe, index: int, target: str) -> float:
+    """Move stage ``index`` of ``pipe`` to ``target`` (see [Note: moving a stage]); the seconds it took."""
+    if not 0 <= index < len(pipe.specs):
+        raise JobError(f"move_stage: the pipeline has stages 0..{len(pipe.specs) - 1}, not {index}")
+    if not isinstance(pipe.sync, LocalMerge):
+        raise JobError("move_stage: a pipeline with replicas cannot move a stage yet (the copies' process groups "
+                       "would still name the old owner); move stages of Job(replicas=1) pipelines")
+    new, old = parse_target(target), pipe.places[index]
+    if new == old:
+        return 0.0
+    start = time.perf_counter()
+    owners = list(pipe.owners)
+    owners[index] = new.process
+    spec = pipe.specs[index]
+    nxt = owners[index + 1] if index + 1 < len(owners) else None
+    built = rpc.rpc_sync(new.process, stage.build, args=(pipe.pid, spec, new, nxt, pipe.job.rpc_timeout,
+                                                         {**pipe.build_options, "owners": owners}))
+    raise_failures([built])
+    rpc.rpc_sync(new.process, stage.resync, args=(pipe.pid, index, pipe.next_seq))  # the gate's next micro-batch
+    old_optims = {r.owner().name: r for r in (pipe.optimizer.remote_optimizers if pipe.optimizer else [])}
+    # The generators travel when the move leaves no other stage on either process: see [Note: what a stage is, to move it].
+    alone = pipe.owners.count(old.process) == 1 and new.process not in pipe.owners
+    rpc.rpc_sync(new.process, owner_move.take_stage, args=(pipe.pid, index, old.process,
+                                                          old_optims.get(old.process), alone))
+    pipe.places[index], pipe.owners[index] = new, new.process
+    wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
+    rpc.rpc_sync(old.process, owner_move.drop_stage, args=(pipe.pid, index))
+    refs, _, module = built
+    pipe.stage_rrefs[index] = refs
+    pipe.param_rrefs = [r for stage_refs in pipe.stage_rrefs for r in stage_refs]
+    pipe.stages[index] = RemoteModule.init_from_module_rref(str(new), module)
+    if pipe.optimizer is not None:
+        cls, kwargs = pipe.optimizer_spec
+        optimizer = DistributedOptimizer(cls, pipe.param_rrefs, **kwargs)
+        wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name)))
+                  for r in optimizer.remote_optimizers])
+        pipe.optimizer = optimizer  # the old one, and its local optimizers on the owners, go with the last reference
+        pipe.param_owners = sorted({r.owner().name for r in pipe.param_rrefs})
+    pipe.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in pipe.held().items()}
+    return time.perf_counter() - start

@@ -1,0 +1,116 @@
+"""The owner's side of moving a stage to another process while training
+(:func:`rpcmp.master.move.move_stage`): the old owner hands its stage over by name, the new
+one takes it, every owner learns the new route, and each process's new local optimizer takes
+the state of the parameters it holds.
+
+[Note: what a stage is, to move it]
+A stage is more than its ``state_dict``: its parameters and *every* buffer (non-persistent
+ones too: RoPE ``inv_freq``, masks), its optimizer state (keyed by the unsplit model's
+parameter names, as in a checkpoint) and the optimizer's scheduled fields (learning rate,
+momentum, ...), whether it is in training mode, the figures it has counted and the trace
+slices it holds. The new owner builds the stage afresh from the job (the same
+``build_stage`` as at start: constants a trace lifts come out the same) and copies every
+parameter and buffer into it in place; one that the old stage does not have, or has with
+another shape, is an error naming it. The process's random number generators travel too
+when the move leaves nothing else of the pipeline on either side (a spare taking the one
+stage of a process): then dropout draws the masks it would have drawn, and a run with a
+move equals one without, bit for bit on CPU. Where the old owner keeps other stages, it keeps
+its generators as they are.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from ..core.hparams import apply_fields, read_fields
+from ..core.served import current
+from ..errors import StageError
+from . import state as stage_state
+from .stage import named_params
+
+__all__ = ["export_stage", "take_stage", "set_routes", "drop_stage", "adopt_optimizer"]
+
+_COUNTERS = ("compute_s", "runs", "bytes_in", "bytes_out", "events")
+
+
+def export_stage(pid: int, index: int, optim_rref, rng: bool) -> dict[str, Any]:
+    """Everything of stage ``index`` here that its next owner needs (see [Note: what a stage is, to move it])."""
+    host = current().host(pid, index)
+    module = host.module
+    names = {host.spec.prefix + n for n, _ in module.named_parameters()}
+    optim = stage_state.optimizer_state(pid, optim_rref, names, copy=False) if optim_rref is not None else {}
+    return {"params": {n: p.detach().cpu() for n, p in module.named_parameters()},
+            "buffers": {n: b.detach().cpu() for n, b in module.named_buffers()},
+            "optimizer": optim, "fields": read_fields(optim_rref.local_value().optim) if optim_rref is not None else {},
+            "training": module.training, "rng": stage_state.rng_state() if rng else None,
+            "counters": {k: getattr(host, k) for k in _COUNTERS}}
+
+
+def take_stage(pid: int, index: int, source: str, optim_rref, rng: bool) -> None:
+    """Fill the stage ``index`` just built here with the values of its copy on ``source``."""
+    host = current().host(pid, index)
+    got = rpc.rpc_sync(source, export_stage, args=(pid, index, optim_rref, rng), timeout=host.timeout)
+    where = f"moving stage {index} ({host.spec.name}) from {source} to {rpc.get_worker_info().name}"
+    with torch.no_grad():
+        for kind, mine in (("params", dict(host.module.named_parameters())), ("buffers", dict(host.module.named_buffers()))):
+            theirs = got[kind]
+            if set(mine) != set(theirs):
+                raise StageError(f"{where}: the stage built here has other {kind} than the one it replaces "
+                                 f"(only here: {sorted(set(mine) - set(theirs))[:5]}, only there: "
+                                 f"{sorted(set(theirs) - set(mine))[:5]}); was the job file changed since the start?")
+            for name, tensor in mine.items():
+                if tensor.shape != theirs[name].shape:
+                    raise StageError(f"{where}: {kind[:-1]} {name} has shape {tuple(tensor.shape)} here and "
+                                     f"{tuple(theirs[name].shape)} there")
+                tensor.copy_(theirs[name])
+    host.module.train(got["training"])
+    for key, value in got["counters"].items():
+        setattr(host, key, value)
+    if got["rng"] is not None:
+        stage_state.set_rng_state(got["rng"])
+    host.moved_optimizer = (got["optimizer"], got["fields"])  # taken by adopt_optimizer
+
+
+def set_routes(pid: int, owners: list[str]) -> None:
+    """Every stage of pipeline ``pid`` here sends on to the owners it now has."""
+    for host in current().hosts_of(pid):
+        host.owners = list(owners)
+        i = host.spec.index
+        host.next_process = owners[i + 1] if i + 1 < len(owners) else None
+
+
+def drop_stage(pid: int, index: int) -> None:
+    """The old owner lets its copy of the stage go (the old optimizer's reference goes with the master's)."""
+    host = current().hosts.pop((pid, index), None)
+    if host is not None:
+        host.compute.shutdown(wait=False)
+
+
+def adopt_optimizer(pid: int, new_rref, old_rref) -> int:
+    """This process's new local optimizer takes the state of its parameters: from the old local
+    optimizer for the stages that stayed (the same tensors), by name from what a moved stage
+    brought; and the fields (learning rate, ...) the old one had. Returns the parameters with state."""
+    new = new_rref.local_value().optim
+    fields = None
+    if old_rref is not None:
+        old = old_rref.local_value().optim
+        for param in named_params(pid):
+            if param in old.state:
+                new.state[param] = old.state[param]
+        fields = read_fields(old)
+    for host in current().hosts_of(pid):
+        moved = host.moved_optimizer
+        if moved is None:
+            continue
+        states, moved_fields = moved
+        by_name = {host.spec.prefix + n: p for n, p in host.module.named_parameters()}
+        for name, st in states.items():
+            new.state[by_name[name]] = {k: v.to(by_name[name].device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                        for k, v in st.items()}
+        fields = fields or moved_fields
+        host.moved_optimizer = None
+    if fields:
+        apply_fields(new, fields)
+    return len([p for p in named_params(pid) if p in new.state])
