@@ -53,6 +53,8 @@ class Job:
     microbatches: int = 1
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
     replicas: int = 1  # pipeline mode: copies of the pipeline, each on its share of every batch (rpcmp/master/replicas.py)
+    spares: int = 0  # pipeline mode: the last ranks hold no stage and wait to take one (rpcmp/master/recovery.py)
+    snapshot_every: int | None = None  # with spares: steps between in-memory snapshots of the stages (None: 10; 0: off)
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
     precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
     recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/owner/stage.py)
@@ -93,6 +95,13 @@ class Job:
                 f"each micro-batch needs at least one sample; lower microbatches or raise batch_size"
             )
         check_replicas(self)
+        for name in ("spares", "snapshot_every"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise JobError(f"Job.{name} must be 0 or a positive integer, got {value!r}")
+        if self.spares and self.mode != "pipeline":
+            raise JobError(f"Job.spares={self.spares}: spare processes take over a lost pipeline stage; DDP mode has no "
+                           f"stages: drop spares, or use mode='pipeline'")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise JobError(f"Job.checkpoint_every must be 0 (every epoch) or a positive step count, got {self.checkpoint_every!r}")
         if not isinstance(self.keep_last, int) or self.keep_last < 1:

@@ -47,6 +47,9 @@ def job_options(fn):
         click.option("--resume", is_flag=True, default=None, help="Continue from the latest checkpoint."),
         click.option("--init-from", type=click.Path(dir_okay=False),
                      help="Initial values from a state_dict file; each owner reads its own keys (Job.init_from)."),
+        click.option("--spares", type=int, help="Pipeline mode: the last K processes hold no stage and take over a lost one."),
+        click.option("--snapshot-every", type=int,
+                     help="With --spares: steps between in-memory snapshots a lost stage is rebuilt from."),
         click.option("--hang-timeout", type=float, help="Seconds a silent worker may take before the job ends."),
         click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE)."),
         click.option("--connect-timeout", type=float, envvar="RPCMP_CONNECT_TIMEOUT",
@@ -59,7 +62,7 @@ def job_options(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
-                "mode", "replicas", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
+                "mode", "replicas", "spares", "snapshot_every", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
                 "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "metrics_file", "trace_file")
         set_options(iface=kw.pop("iface", None), connect_timeout=kw.pop("connect_timeout", None))
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
@@ -208,7 +211,7 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
     batch = first_batch(job)
     specs = plan_stages(job, batch if needs_sample(job) else None)
     flow = scatter(batch, job.microbatches)[0] if batch is not None else None  # one micro-batch, through the stages
-    world_size = world_size or job.replicas * len(specs) + 1
+    world_size = world_size or job.replicas * len(specs) + 1 + job.spares
     nodes = [f"node {q // nproc_per_node}" for q in range(world_size)] if nproc_per_node else None
     topology = Topology.of(job, world_size, len(specs), nodes)
     grid = topology.grid if topology.replicated else None
@@ -237,6 +240,8 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
     if grid:
         Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid, nodes))
     Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch"))
+    if topology.spares:
+        console.print(f"spares: {', '.join(topology.spares)} (hold no stage; each takes over the stage of a lost owner)")
     for line in _model_notes(specs):
         console.print(line)
     if check and not _check(job, specs, batch):

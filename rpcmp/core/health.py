@@ -6,12 +6,22 @@ that is gone. A worker that hangs (SIGSTOP, a deadlock, a swapped-out node) answ
 nothing and closes nothing: the :class:`Watchdog` pings every worker each second and,
 when one has not answered for ``Job.hang_timeout`` seconds, prints what happened and
 ends the master with exit code 3 (the launcher or torchrun then stops the others).
+
+With spares (``Job(spares=K)``, ``fence=True``) the watchdog does not end the run: it
+*fences* a silent worker instead, killing it when it runs on this machine (a process of
+``--local`` or of another network namespace of this host: the same host and boot id, and
+the process id it said at start), so that its connections close, the step in flight fails
+at once and the master replaces it (see [Note: recovery from a lost owner] in
+:mod:`rpcmp.master.recovery`). A silent worker on another host cannot be killed from here:
+its calls fail when the RPC timeout (``Job.rpc_timeout``) runs out, and the same recovery follows.
 """
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -26,6 +36,19 @@ __all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained"]
 
 def _ping() -> int:
     return os.getpid()
+
+
+def _host_id() -> str:
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _identity() -> tuple[int, str]:
+    """This process's id and its host's, for a watchdog that may have to fence it."""
+    return os.getpid(), _host_id()
 
 
 def unresponsive(processes, timeout: float) -> list[str]:
@@ -71,14 +94,23 @@ def explained(explain):
 class Watchdog(threading.Thread):
     """Ping every worker; end the master if one stays silent for ``timeout`` seconds."""
 
-    def __init__(self, workers: list[str], timeout: float, status: RunStatus, interval: float = 1.0):
+    def __init__(self, workers: list[str], timeout: float, status: RunStatus, interval: float = 1.0,
+                 fence: bool = False):
         super().__init__(daemon=True, name="rpcmp-watchdog")
         self.workers, self.timeout, self.status, self.interval = workers, timeout, status, interval
         self._halt = threading.Event()
+        self.fence, self.fenced, self.identities = fence, set(), {}
+        if fence:  # who each worker is, while every one answers: see the module's docstring
+            futs = {w: rpc.rpc_async(w, _identity, timeout=30) for w in workers}
+            self.identities = {w: f.wait() for w, f in futs.items()}
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):
-            lost = unresponsive(self.workers, self.timeout)
+            lost = unresponsive([w for w in self.workers if w not in self.fenced], self.timeout)
+            if lost and self.fence and not self._halt.is_set():
+                for w in lost:
+                    self._fence(w)
+                continue
             if lost and not self._halt.is_set():
                 print("rpcmp: error: WorkerLostError: " + self.status.describe(
                     lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
@@ -86,6 +118,22 @@ class Watchdog(threading.Thread):
                 for child in multiprocessing.active_children():  # local workers, even stopped ones
                     child.kill()
                 os._exit(3)
+
+    def _fence(self, worker: str) -> None:
+        self.fenced.add(worker)
+        pid, host = self.identities.get(worker, (None, None))
+        if pid is None or host != _host_id():
+            print(f"rpcmp: warning: {worker} did not answer for {self.timeout:.0f}s and runs on another host: its "
+                  f"calls fail when the RPC timeout runs out, then a spare takes over", file=sys.stderr, flush=True)
+            return
+        try:
+            if open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                return  # it died already (a zombie not yet reaped): nothing to fence
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError):
+            return  # it had died already: the step in flight has failed or will, and a spare takes over
+        print(f"rpcmp: warning: {worker} (pid {pid}) did not answer for {self.timeout:.0f}s (hung or stopped; "
+              f"Job.hang_timeout): killed it so that a spare takes over its stage", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self._halt.set()

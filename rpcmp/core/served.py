@@ -92,6 +92,7 @@ class Served:
         self.inbox = Awaited()  # the master's: outputs of the last stage by (pipeline id, seq); see rpcmp.master.inbox
         self.status = RunStatus()
         self.outcome: bool | None = None  # on a worker: whether the master said the run ended normally
+        self.graceful = True  # on a worker: whether the master said every process takes part in the shutdown
         self.device = None  # DDP mode: this rank's device
         self.heartbeats = None  # DDP mode: this rank's rpcmp.core.health.Heartbeats
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
@@ -101,6 +102,12 @@ class Served:
         # Under torchrun: this attempt's number, the run an earlier attempt trained (None: none did) and how
         # to tell a later attempt which run this one trains (see [Note: a restart resumes by itself]).
         self.attempt = 0
+        # Job(snapshot_every=N): this owner's own snapshots ((pid, stage) -> {step: data}), the neighbours' it keeps
+        # ((pid, stage) -> (step, data)) and its shipment on the way, per pipeline (rpcmp/owner/snapshot.py)
+        self.snapshots: dict = {}
+        self.buddy_snapshots: dict = {}
+        self.shipping: dict = {}
+        self.lost: set[str] = set()  # on the master: processes lost and replaced in place (rpcmp/master/recovery.py)
         self.previous_run: str | None = None
         self.keep_run = None
         self._pipeline_ids = itertools.count()

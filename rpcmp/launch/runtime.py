@@ -12,6 +12,8 @@ import math
 import os
 import socket
 import sys
+import threading
+import time
 import warnings
 from typing import Any, Callable
 
@@ -154,10 +156,9 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     if Topology.needs_nodes(job):  # the grid follows the nodes: see [Note: replicas of a pipeline]
         served.nodes = share_nodes(rank, world_size, max(60.0, job.rpc_timeout), attempt, env.node_rank)
     topology = served.topology = Topology.of(job, world_size, nodes=served.nodes)  # [Note: one topology per run]
-    if job.device_maps:
-        for places in topology.grid:
-            for peer, mapping in device_maps_for(places, process_name(rank)).items():
-                options.set_device_map(peer, mapping)
+    for peer, mapping in ((p, m) for places in topology.grid if job.device_maps
+                          for p, m in device_maps_for(places, process_name(rank)).items()):
+        options.set_device_map(peer, mapping)
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     result, error, watchdog = None, None, None
     try:
@@ -165,7 +166,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
             join_stage_groups(topology, rank, job.hang_timeout, served, attempt)  # see [Note: replicas of a pipeline]
         if rank == 0 and main is not None:
             if world_size > 1 and job.hang_timeout:
-                watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout, served.status)
+                watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout, served.status,
+                                    fence=bool(job.spares))
                 watchdog.start()
             result = main(job, world_size)
     except BaseException as exc:  # shut the world down, then re-raise
@@ -174,9 +176,12 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         if watchdog is not None:
             watchdog.stop()
         if rank == 0:
-            _tell_outcome([process_name(r) for r in range(1, world_size)], error is None)
-        # A stage's own failure leaves every process answering: leave as after success (no transport noise).
-        left = _shutdown(graceful=error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
+            _tell_outcome([w for w in map(process_name, range(1, world_size)) if w not in served.lost], error is None,
+                          graceful=not served.lost)
+        # A stage's own failure leaves every process answering: leave as after success (no transport noise); a
+        # process lost and replaced in place (rpcmp/master/recovery.py) takes no part in a graceful shutdown.
+        left = _shutdown(graceful=served.graceful and not served.lost and (
+            error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError))))
         leave_stage_groups(served)  # after the RPC world: a worker's stages average gradients until the master leaves
     if error is not None:
         raise error
@@ -195,19 +200,33 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
 # restarted master then waited for nodes that had gone home. The master now tells every
 # worker whether the run ended normally (rpcmp.core.served.Served.outcome); a worker that was not
 # told so exits 1.
-def _outcome(ok: bool) -> None:
+def _outcome(ok: bool, graceful: bool = True) -> None:
     served = current()
-    served.outcome = ok
+    served.outcome, served.graceful = ok, graceful
     # The rendezvous store of a run through worker daemons lives in the master's process: leave the
     # stage groups while it is up (a destroy after the master left waited for it until killed).
     leave_stage_groups(served)
+    if not graceful:  # see [Note: leaving a world with a lost peer]
+        threading.Thread(target=_leave_now, args=(0 if ok else 1,), daemon=True).start()
 
 
-def _tell_outcome(workers: list[str], ok: bool) -> None:
+# [Note: leaving a world with a lost peer]
+# A worker serves by waiting in a graceful ``rpc.shutdown``, whose barrier counts every rank of
+# the world: after a peer was lost and replaced in place (rpcmp/master/recovery.py) it would
+# wait out the store's timeout (60 s) for the dead one. The master says so with the outcome;
+# the worker then leaves at once, with the exit code of the run, once its answer is on its way.
+def _leave_now(code: int) -> None:
+    time.sleep(0.5)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _tell_outcome(workers: list[str], ok: bool, graceful: bool = True) -> None:
     futs = []
     for w in workers:
         try:
-            futs.append(rpc.rpc_async(w, _outcome, args=(ok,), timeout=5))
+            futs.append(rpc.rpc_async(w, _outcome, args=(ok, graceful), timeout=5))
         except Exception:  # noqa: BLE001 - a worker that is gone cannot be told
             pass
     for fut in futs:

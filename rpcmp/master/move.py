@@ -27,7 +27,7 @@ from ..owner import stage
 from ..plan.placement import Place
 from .sync import LocalMerge
 
-__all__ = ["move_stage", "parse_target"]
+__all__ = ["move_stage", "parse_target", "build_on", "install", "new_optimizer"]
 
 
 def parse_target(target: str) -> Place:
@@ -54,12 +54,7 @@ def move_stage(pipe, index: int, target: str) -> float:
     start = time.perf_counter()
     owners = list(pipe.owners)
     owners[index] = new.process
-    spec = pipe.specs[index]
-    nxt = owners[index + 1] if index + 1 < len(owners) else None
-    built = rpc.rpc_sync(new.process, stage.build, args=(pipe.pid, spec, new, nxt, pipe.job.rpc_timeout,
-                                                         {**pipe.build_options, "owners": owners}))
-    raise_failures([built])
-    rpc.rpc_sync(new.process, stage.resync, args=(pipe.pid, index, pipe.next_seq))  # the gate's next micro-batch
+    built = build_on(pipe, index, new, owners)
     old_optims = {r.owner().name: r for r in (pipe.optimizer.remote_optimizers if pipe.optimizer else [])}
     # The generators travel when the move leaves no other stage on either process: see [Note: what a stage is, to move it].
     alone = pipe.owners.count(old.process) == 1 and new.process not in pipe.owners
@@ -68,16 +63,40 @@ def move_stage(pipe, index: int, target: str) -> float:
     pipe.places[index], pipe.owners[index] = new, new.process
     wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
     rpc.rpc_sync(old.process, owner_move.drop_stage, args=(pipe.pid, index))
+    install(pipe, index, new, built)
+    new_optimizer(pipe, old_optims)
+    return time.perf_counter() - start
+
+
+def build_on(pipe, index: int, place: Place, owners: list[str]):
+    """Build stage ``index`` on ``place`` as at start, for a pipeline whose stages will be on ``owners``;
+    its gate waits for the pipeline's next micro-batch. What ``stage.build`` returned."""
+    nxt = owners[index + 1] if index + 1 < len(owners) else None
+    built = rpc.rpc_sync(place.process, stage.build, args=(pipe.pid, pipe.specs[index], place, nxt, pipe.job.rpc_timeout,
+                                                           {**pipe.build_options, "owners": owners}))
+    raise_failures([built])
+    rpc.rpc_sync(place.process, stage.resync, args=(pipe.pid, index, pipe.next_seq))
+    return built
+
+
+def install(pipe, index: int, place: Place, built) -> None:
+    """The master's handles of stage ``index``, now built on ``place`` (what ``stage.build`` returned)."""
     refs, _, module = built
     pipe.stage_rrefs[index] = refs
     pipe.param_rrefs = [r for stage_refs in pipe.stage_rrefs for r in stage_refs]
-    pipe.stages[index] = RemoteModule.init_from_module_rref(str(new), module)
-    if pipe.optimizer is not None:
-        cls, kwargs = pipe.optimizer_spec
-        optimizer = DistributedOptimizer(cls, pipe.param_rrefs, **kwargs)
-        wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name)))
-                  for r in optimizer.remote_optimizers])
-        pipe.optimizer = optimizer  # the old one, and its local optimizers on the owners, go with the last reference
-        pipe.param_owners = sorted({r.owner().name for r in pipe.param_rrefs})
+    pipe.stages[index] = RemoteModule.init_from_module_rref(str(place), module)
     pipe.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in pipe.held().items()}
-    return time.perf_counter() - start
+
+
+def new_optimizer(pipe, old_optims: dict) -> None:
+    """A DistributedOptimizer over the pipeline's parameter handles as they are now; each process's local
+    optimizer takes the state of the old one there (``old_optims``: by process) and of the stages that
+    came to it (see :func:`rpcmp.owner.move.adopt_optimizer`)."""
+    if pipe.optimizer is None:
+        return
+    cls, kwargs = pipe.optimizer_spec
+    optimizer = DistributedOptimizer(cls, pipe.param_rrefs, **kwargs)
+    wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name)))
+              for r in optimizer.remote_optimizers])
+    pipe.optimizer = optimizer  # the old one, and its local optimizers on the owners, go with the last reference
+    pipe.param_owners = sorted({r.owner().name for r in pipe.param_rrefs})

@@ -80,6 +80,7 @@ from ..plan.schedule import SCHEDULES
 from ..core.microbatch import batch_size, gather, map_tensors, scatter
 from ..plan.partition import StageSpec, plan_stages
 from ..plan.placement import Place, resolve_placement
+from ..plan.topology import stage_world
 from ..core.policy import GradientPolicy, NonFinite
 from ..core.served import RunStatus, current
 from ..plan.lengths import check_sizes
@@ -101,7 +102,7 @@ class Pipeline(PipelineState):
         if self.schedule not in SCHEDULES:
             raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         self.specs: list[StageSpec] = specs or self.plan(job, sample)
-        self.places: list[Place] = places or resolve_placement(job.placement, len(self.specs), world_size)
+        self.places: list[Place] = places or resolve_placement(job.placement, len(self.specs), stage_world(job, world_size))
         # how gradients come together before the step: one pipeline's merge, or one copy's share of
         # the replicas' average (rpcmp/master/sync.py; [Note: replicas of a pipeline])
         self.sync = sync or LocalMerge()

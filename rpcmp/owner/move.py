@@ -30,19 +30,21 @@ from ..errors import StageError
 from . import state as stage_state
 from .stage import named_params
 
-__all__ = ["export_stage", "take_stage", "set_routes", "drop_stage", "adopt_optimizer"]
+__all__ = ["export_stage", "take_stage", "fill_stage", "set_routes", "drop_stage", "adopt_optimizer"]
 
 _COUNTERS = ("compute_s", "runs", "bytes_in", "bytes_out", "events")
 
 
-def export_stage(pid: int, index: int, optim_rref, rng: bool) -> dict[str, Any]:
-    """Everything of stage ``index`` here that its next owner needs (see [Note: what a stage is, to move it])."""
+def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False) -> dict[str, Any]:
+    """Everything of stage ``index`` here that its next owner needs (see [Note: what a stage is, to
+    move it]); with ``copy``, copies that later steps leave alone (a snapshot)."""
     host = current().host(pid, index)
     module = host.module
     names = {host.spec.prefix + n for n, _ in module.named_parameters()}
-    optim = stage_state.optimizer_state(pid, optim_rref, names, copy=False) if optim_rref is not None else {}
-    return {"params": {n: p.detach().cpu() for n, p in module.named_parameters()},
-            "buffers": {n: b.detach().cpu() for n, b in module.named_buffers()},
+    optim = stage_state.optimizer_state(pid, optim_rref, names, copy=copy) if optim_rref is not None else {}
+    own = (lambda t: t.detach().cpu().clone()) if copy else (lambda t: t.detach().cpu())
+    return {"params": {n: own(p) for n, p in module.named_parameters()},
+            "buffers": {n: own(b) for n, b in module.named_buffers()},
             "optimizer": optim, "fields": read_fields(optim_rref.local_value().optim) if optim_rref is not None else {},
             "training": module.training, "rng": stage_state.rng_state() if rng else None,
             "counters": {k: getattr(host, k) for k in _COUNTERS}}
@@ -52,8 +54,13 @@ def take_stage(pid: int, index: int, source: str, optim_rref, rng: bool) -> None
     """Fill the stage ``index`` just built here with the values of its copy on ``source``."""
     host = current().host(pid, index)
     got = rpc.rpc_sync(source, export_stage, args=(pid, index, optim_rref, rng), timeout=host.timeout)
-    where = f"moving stage {index} ({host.spec.name}) from {source} to {rpc.get_worker_info().name}"
-    with torch.no_grad():
+    fill_stage(host, got, f"moving stage {index} ({host.spec.name}) from {source} to {rpc.get_worker_info().name}")
+
+
+def fill_stage(host, got: dict[str, Any], where: str, counters: bool = True, copy: bool = False) -> None:
+    """Give ``host``'s stage the values of ``got`` (what :func:`export_stage` returns) in place, by name;
+    its optimizer state waits for :func:`adopt_optimizer` (copied, with ``copy``: ``got`` is kept)."""
+    with host.lock, torch.no_grad():  # a forward of a failed step still running here finishes first
         for kind, mine in (("params", dict(host.module.named_parameters())), ("buffers", dict(host.module.named_buffers()))):
             theirs = got[kind]
             if set(mine) != set(theirs):
@@ -66,11 +73,14 @@ def take_stage(pid: int, index: int, source: str, optim_rref, rng: bool) -> None
                                      f"{tuple(theirs[name].shape)} there")
                 tensor.copy_(theirs[name])
     host.module.train(got["training"])
-    for key, value in got["counters"].items():
+    for key, value in got["counters"].items() if counters else ():
         setattr(host, key, value)
     if got["rng"] is not None:
         stage_state.set_rng_state(got["rng"])
-    host.moved_optimizer = (got["optimizer"], got["fields"])  # taken by adopt_optimizer
+    optim = got["optimizer"]
+    if copy:
+        optim = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()} for n, st in optim.items()}
+    host.moved_optimizer = (optim, got["fields"])  # taken by adopt_optimizer
 
 
 def set_routes(pid: int, owners: list[str]) -> None:

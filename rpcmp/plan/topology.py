@@ -24,7 +24,7 @@ from ..errors import JobError, PlacementError
 from .partition import Split, SplitAt
 from .placement import Place, process_name, resolve_placement
 
-__all__ = ["Topology", "stage_count", "check_replicas"]
+__all__ = ["Topology", "stage_count", "stage_world", "check_replicas"]
 
 
 def stage_count(job) -> int:
@@ -39,6 +39,7 @@ class Topology:
     stages: int
     world_size: int
     grid: tuple[tuple[Place, ...], ...]
+    spares: tuple[str, ...] = ()  # the last ranks, which hold no stage (Job.spares)
 
     @classmethod
     def of(cls, job, world_size: int, stages: int | None = None, nodes: list[str] | None = None) -> "Topology":
@@ -46,15 +47,18 @@ class Topology:
         with replicas (:func:`rpcmp.launch.groups.share_nodes`). Raises :class:`PlacementError` for a grid the
         world cannot hold."""
         s = stages or stage_count(job)
-        rows = (_grid(job, world_size, s, nodes) if job.replicas > 1
-                else [resolve_placement(job.placement, s, world_size)])
-        return cls(job.replicas, s, world_size, tuple(tuple(row) for row in rows))
+        holding = stage_world(job, world_size)
+        rows = (_grid(job, holding, s, nodes[:holding] if nodes else None) if job.replicas > 1
+                else [resolve_placement(job.placement, s, holding)])
+        spares = tuple(process_name(r) for r in range(holding, world_size))
+        return cls(job.replicas, s, world_size, tuple(tuple(row) for row in rows), spares)
 
     @classmethod
     def for_run(cls, job, world_size: int) -> "Topology":
         """The one this process computed at start (:func:`rpcmp.launch.runtime.run_rank`), else a fresh one."""
         topo = current().topology
-        if topo is not None and topo.world_size == world_size and topo.replicas == job.replicas:
+        if (topo is not None and topo.world_size == world_size and topo.replicas == job.replicas
+                and len(topo.spares) == job.spares):
             return topo
         return cls.of(job, world_size, nodes=current().nodes)
 
@@ -72,7 +76,17 @@ class Topology:
         return [row[k] for row in self.grid]
 
     def describe(self) -> str:
-        return f"{self.replicas} replicas x {self.stages} stages" if self.replicated else f"{self.stages} stages"
+        text = f"{self.replicas} replicas x {self.stages} stages" if self.replicated else f"{self.stages} stages"
+        return text + (f", spares: {', '.join(self.spares)}" if self.spares else "")
+
+
+def stage_world(job, world_size: int) -> int:
+    """The processes that may hold stages: the world but its last ``Job.spares`` ranks."""
+    spares = getattr(job, "spares", 0)
+    if spares and world_size - spares < 1:
+        raise PlacementError(f"Job.spares={spares} leaves no process for the stages of {world_size}: start more processes "
+                             f"(--local {spares + stage_count(job) + 1}) or fewer spares")
+    return world_size - spares
 
 
 def check_replicas(job) -> None:

@@ -14,11 +14,21 @@ from ..core.checkpoint import latest_checkpoint, load_checkpoint
 from ..data import data_loader, epoch_batches, step_groups
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
+from ..master.recovery import Snapshots
 from ..master.replicas import pipeline_for
 from ..plan.topology import Topology
 from ..core.served import RunStatus
 
-__all__ = ["Engine", "PipelineEngine", "make_engine", "evaluate"]
+__all__ = ["Engine", "PipelineEngine", "make_engine", "evaluate", "RolledBack"]
+
+
+class RolledBack(Exception):
+    """A lost owner was replaced in place and every stage rolled back (rpcmp/master/recovery.py): the
+    trainer goes on from ``position`` = (step, epoch, next batch) and says ``line``."""
+
+    def __init__(self, position: tuple[int, int, int], line: str):
+        super().__init__(line)
+        self.position, self.line = position, line
 
 
 class Engine(Protocol):
@@ -32,7 +42,8 @@ class Engine(Protocol):
 
     def steps_per_epoch(self, n: int) -> int: ...
     def epoch_loader(self, dataset, epoch: int, first_batch: int): ...
-    def train_step(self, group: list) -> tuple[float, int]: ...
+    def train_step(self, group: list) -> tuple[float, int]: ...  # raises RolledBack after a recovery
+    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> None: ...
     def evaluate(self, dataset) -> float: ...
     def train(self) -> None: ...
     def state_meta(self) -> dict[str, torch.Tensor]: ...
@@ -69,6 +80,10 @@ class PipelineEngine:
         self.pipe, self.job = pipe, job
         self.replicated = topology is not None and topology.replicated
         self.status = pipe.status
+        spares = list(topology.spares) if topology is not None else []
+        every = job.snapshot_every if job.snapshot_every is not None else 10
+        # Spares take over a lost owner's stage, rebuilt from a snapshot (see [Note: recovery from a lost owner]).
+        self.snapshots = Snapshots(pipe, every, spares) if spares and every and not self.replicated else None
 
     def steps_per_epoch(self, n: int) -> int:
         return n // self.job.batch_size // self.job.accumulate
@@ -81,8 +96,21 @@ class PipelineEngine:
         # Accumulating k batches is one step over their concatenation in k x M micro-batches:
         # the same gradient, as each micro-batch's loss is weighted by its share of all samples.
         x, y = group[0] if len(group) == 1 else gather(group)
-        loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
+        if self.snapshots is None:
+            loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
+            return loss.item(), batch_size(x)
+        try:
+            self.snapshots.settle()  # the owners' copies of the last snapshot are made: the step may change them
+            loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
+        except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
+            back = self.snapshots.recover(exc)
+            raise RolledBack(back.position, back.line) from exc
         return loss.item(), batch_size(x)
+
+    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> None:
+        """With spares: snapshot the stages when it is due, and at the first step of the run."""
+        if self.snapshots is not None:
+            self.snapshots.snap(step, position) if first else self.snapshots.after_step(step, position)
 
     def evaluate(self, dataset) -> float:
         return evaluate(self.pipe, dataset, self.job)

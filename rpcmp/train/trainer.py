@@ -15,7 +15,7 @@ from ..core import health
 from ..core.served import current
 from ..errors import JobError
 from ..data import datasets
-from .engine import make_engine
+from .engine import RolledBack, make_engine
 from .timeline import write_chrome_trace
 
 __all__ = ["fit"]
@@ -48,18 +48,26 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
     losses, samples, saved, start = [], 0, None, time.perf_counter()
     log = MetricsLog(job.metrics_file if engine.is_main else None)
     tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
+    engine.after_step(step, (epoch, first_batch), first=True)  # with spares: a snapshot to recover from
     with Progress(*_progress_columns(), console=console, transient=False, disable=not engine.is_main) as progress:
         while step < total:
             engine.train()
             groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
             task = progress.add_task("train", total=min(steps, first_batch + total - step), completed=first_batch,
                                      epoch=epoch + 1, loss=float("nan"), rate=0.0)  # a bar per epoch
-            position = (epoch + 1, 0)
+            position, rolled = (epoch + 1, 0), False
             for k, group in enumerate(groups, start=first_batch):
                 engine.status.step = step + 1
                 step_start = time.perf_counter()
                 tracer.before(step + 1)
-                loss, n = engine.train_step(group)
+                try:
+                    loss, n = engine.train_step(group)
+                except RolledBack as back:  # a lost owner was replaced: see rpcmp/master/recovery.py
+                    progress.console.print(back.line)
+                    progress.remove_task(task)
+                    del losses[len(losses) - (step - back.position[0]):]
+                    step, position, rolled = back.position[0], back.position[1:], True
+                    break
                 tracer.after(step + 1)
                 losses.append(loss)
                 step += 1
@@ -69,18 +77,19 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                 progress.update(task, advance=1, epoch=epoch + 1, loss=loss,
                                 rate=samples / (time.perf_counter() - start))
                 position = (epoch, k + 1) if k + 1 < steps else (epoch + 1, 0)
+                engine.after_step(step, position)
                 if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
                     saved = _save(job, engine, run, step, *position)
                 if step >= total:
                     break
-            finished = position[0] > epoch and step < total  # a whole epoch ended and training goes on
-            heldout_metric = engine.evaluate(heldout) if finished and before is not None else None
-            if heldout_metric is not None:
-                progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {heldout_metric:.4f}")
-            log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),
-                      heldout_metric=heldout_metric, **engine.epoch_metrics())
+            if not rolled:
+                heldout_metric = engine.evaluate(heldout) if position[0] > epoch and step < total and before is not None else None
+                if heldout_metric is not None:
+                    progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {heldout_metric:.4f}")
+                log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),
+                          heldout_metric=heldout_metric, **engine.epoch_metrics())
             epoch, first_batch = position
-            if job.checkpoint_dir and not job.checkpoint_every and saved != step:
+            if not rolled and job.checkpoint_dir and not job.checkpoint_every and saved != step:
                 saved = _save(job, engine, run, step, epoch, first_batch)
     if job.checkpoint_dir and saved != step:
         _save(job, engine, run, step, epoch, first_batch)

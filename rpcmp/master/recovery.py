@@ -1,0 +1,167 @@
+"""A lost owner replaced in place: ``Job(spares=K, snapshot_every=N)``.
+
+[Note: recovery from a lost owner]
+Every N steps, after the optimizer step, each owner snapshots its stages and ships each copy
+to a buddy (see [Note: snapshots and their buddies] in :mod:`rpcmp.owner.snapshot`); the master
+keeps only what is its own at that step: the data position, the scheduler's state and the fp16
+loss scale. When a step fails because an owner died (or hung and was fenced by the watchdog,
+see :mod:`rpcmp.core.health`), the master asks every process whether it answers; with exactly
+one lost owner, a spare and a snapshot, it
+
+1. rebuilds the lost process's stages on the first spare (the same ``build`` as at start) and
+   routes every owner to it;
+2. rolls every stage back to the step of the snapshot the lost stage's buddy holds: the
+   rebuilt stages from the buddy's copy, the others from their own (parameters, buffers,
+   optimizer state and fields, generators), and makes a new DistributedOptimizer over the
+   pipeline as it now is (as :mod:`rpcmp.master.move` does);
+3. hands the trainer the data position of that step, so the steps since are trained again
+   on the same batches: the run ends with the model an uninterrupted run ends with.
+
+Everything happens in the processes that are up: no process restarts, nothing is read from
+disk. Without a spare, with a second lost owner, or before the first snapshot, the step's
+error stands and the run ends as it always did (exit 1, naming the checkpoint to resume from).
+A lost master ends the run: the spares wait for a master, they cannot become one.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed.rpc as rpc
+
+from ..core.futures import wait_all
+from ..core.health import unresponsive
+from ..core.served import current
+from ..errors import WorkerLostError
+from ..owner import move as owner_move
+from ..owner import snapshot
+from ..plan.placement import Place
+from .move import build_on, install, new_optimizer
+
+__all__ = ["Snapshots", "Recovered"]
+
+
+@dataclass
+class Recovered:
+    """What a recovery did: the trainer rolls back to ``position`` = (step, epoch, next batch)."""
+
+    position: tuple[int, int, int]
+    line: str
+
+
+class Snapshots:
+    """The master's side of ``Job(snapshot_every=N)`` for one pipeline, and its recovery."""
+
+    def __init__(self, pipe, every: int, spares: list[str]):
+        self.pipe, self.every, self.spares = pipe, every, list(spares)
+        self.taking: list = []  # the owners copying their stages: waited for before the next step
+        self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
+        self.seconds = 0.0  # the master's time spent on snapshots (waiting for the copies included)
+        self.failed: str | None = None  # why the last loss was not recovered in place
+        self.taking_step: int | None = None
+
+    def buddies(self, owners: list[str]) -> dict[int, str] | None:
+        """Stage -> the process that keeps its snapshot: the owner of the next stage that is another
+        process, round the ring; None when every stage is on one process (nobody else to keep it)."""
+        out = {}
+        for k, owner in enumerate(owners):
+            ring = [owners[(k + d) % len(owners)] for d in range(1, len(owners))]
+            out[k] = next((o for o in ring if o != owner), None)
+        return None if None in out.values() else out
+
+    def after_step(self, step: int, position: tuple[int, int]) -> None:
+        """Snapshot after ``step`` if it is due (and at step 0, so that a loss before the first is covered)."""
+        if self.every and step % self.every == 0:
+            self.snap(step, position)
+
+    def snap(self, step: int, position: tuple[int, int]) -> None:
+        start = time.perf_counter()
+        self.settle()
+        pipe, buddies = self.pipe, self.buddies(self.pipe.owners)
+        if buddies is None or pipe.optimizer is None:
+            return
+        optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
+        try:
+            self.taking = [rpc.rpc_async(o, snapshot.take, args=(pipe.pid, step, {o: optims[o]} if o in optims else {},
+                                                                buddies)) for o in sorted(set(pipe.owners))]
+        except Exception:  # noqa: BLE001 - an owner is gone: the next step fails and recovers from the snapshot before
+            self.taking = []
+            return
+        self.taking_step = step
+        self.kept[step] = {"position": (step, *position), "loss_scale": pipe.loss_scale,
+                           "scheduler": pipe.scheduler_state() if pipe.scheduler is not None else None}
+        for old in sorted(self.kept)[:-3]:
+            del self.kept[old]
+        self.seconds += time.perf_counter() - start
+
+    def settle(self) -> None:
+        """Wait until the owners have copied their stages (before any optimizer step may change them)."""
+        start = time.perf_counter()
+        taking, self.taking = self.taking, []
+        for fut in taking:
+            try:
+                fut.wait()
+            except Exception:  # noqa: BLE001 - a snapshot an owner could not take is no snapshot; the loss
+                self.kept.pop(self.taking_step, None)  # shows at the next step, which recovers from the one before
+        self.seconds += time.perf_counter() - start
+
+    def recover(self, error: BaseException) -> Recovered:
+        """Replace the owner whose loss failed a step, or re-raise ``error`` (see [Note: recovery from a lost owner])."""
+        start = time.perf_counter()
+        pipe = self.pipe
+        lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
+        self.spares = [s for s in self.spares if s not in lost]
+        owners_lost = sorted({o for o in lost if o in pipe.owners})
+        why = self._cannot(owners_lost)
+        if why:
+            self.failed = why
+            raise error
+        gone, spare = owners_lost[0], self.spares.pop(0)
+        current().lost.add(gone)
+        buddies = self.buddies(pipe.owners)
+        stages = [k for k, o in enumerate(pipe.owners) if o == gone]
+        held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(pipe.pid, k)) for k in stages}
+        step = held.pop() if len(held) == 1 else None
+        if step is None or step not in self.kept:
+            raise WorkerLostError(f"{error}; not recovered in place: no snapshot of stage(s) {stages} is whole "
+                                  f"(buddies hold steps {sorted(map(str, held))})") from error
+        self.taking = []  # copies on the lost process never finish; the others' are done by now
+        owners = [spare if o == gone else o for o in pipe.owners]
+        places = {k: Place(spare, pipe.places[k].device) for k in stages}  # the same device on the spare
+        built = {k: build_on(pipe, k, places[k], owners) for k in stages}
+        old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
+        for k in stages:
+            pipe.places[k], pipe.owners[k] = places[k], spare
+        wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
+        pipe.resync()  # every gate waits for the pipeline's next micro-batch
+        wait_all([rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, buddies[k] if k in built else None))
+                  for k, o in enumerate(owners)])
+        for k, b in built.items():
+            install(pipe, k, pipe.places[k], b)
+        new_optimizer(pipe, old_optims)
+        kept = self.kept[step]
+        if kept["scheduler"] is not None:
+            pipe.load_scheduler_state(kept["scheduler"])
+        if kept["loss_scale"]:
+            pipe.loss_scale = kept["loss_scale"]
+        self.taking = []
+        self.snap(step, kept["position"][1:])  # the spare's neighbour keeps its copy again: a next loss is covered
+        took = time.perf_counter() - start
+        names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
+        return Recovered(kept["position"], f"recovered: {gone} was lost ({type(error).__name__}: "
+                                           f"{str(error).splitlines()[0][:60]}); stage {names} "
+                                           f"rebuilt on {spare} from the snapshot of step {step} kept by "
+                                           f"{', '.join(sorted({buddies[k] for k in stages}))}; every stage rolled "
+                                           f"back to step {step}; {took:.2f} s")
+
+    def _cannot(self, owners_lost: list[str]) -> str | None:
+        if not owners_lost:
+            return "no owner of a stage is lost"
+        if len(owners_lost) > 1:
+            return f"{len(owners_lost)} owners are lost ({', '.join(owners_lost)}); a spare replaces one"
+        if not self.spares:
+            return "no spare process is left (--spares)"
+        if not self.every or not self.kept:
+            return "no snapshot was taken (--snapshot-every N)"
+        return None

@@ -1,0 +1,83 @@
+"""The owner's side of in-memory snapshots (``Job(spares=K, snapshot_every=N)``): each owner
+copies its stages after an optimizer step, keeps the copy, and ships it to a buddy process;
+after a loss, every stage rolls back to its own copy and the lost one is rebuilt on a spare
+from its buddy's (the master's side: :mod:`rpcmp.master.recovery`).
+
+[Note: snapshots and their buddies]
+A snapshot of a stage is what moving it takes (:func:`rpcmp.owner.move.export_stage`:
+parameters, every buffer, optimizer state by name and its fields, the process's
+generators), copied so that later steps leave it alone. The copy is made on an RPC thread of
+the owner while the master is between steps (the master waits for it before the next step,
+so no optimizer step can change a tensor half copied); it then travels to the stage's
+buddy, the owner of the next stage that is another process (the ring closes at the first),
+while training goes on. An owner keeps its own last two snapshots (the one on its way and
+the one its buddy holds) and starts a shipment only when the previous one has arrived, so
+whatever step the buddy of a lost stage holds, every other stage holds its own copy of the
+same step. Memory: an owner holds its stages twice more (its own copy and a neighbour's),
+on the CPU; the master holds none of it, and no process holds the whole model.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from ..core.served import current
+from .move import export_stage, fill_stage
+
+__all__ = ["take", "keep", "held", "restore"]
+
+
+def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
+    """Snapshot every stage of pipeline ``pid`` here after step ``step`` and ship each to its buddy.
+    ``optims``: this process's local optimizer (by process name, as the master knows them)."""
+    served = current()
+    me = rpc.get_worker_info().name
+    previous = served.shipping.pop(pid, None)
+    if previous is not None:
+        previous.wait()  # one shipment at a time: see [Note: snapshots and their buddies]
+    futs = []
+    for i, host in enumerate(sorted(served.hosts_of(pid), key=lambda h: h.spec.index)):
+        index = host.spec.index
+        data = export_stage(pid, index, optims.get(me), rng=i == 0, copy=True)
+        own = served.snapshots.setdefault((pid, index), {})
+        own[step] = data
+        for old in sorted(own)[:-2]:
+            del own[old]
+        futs.append(rpc.rpc_async(buddies[index], keep, args=(pid, index, step, data)))
+    if futs:
+        served.shipping[pid] = torch.futures.collect_all(futs)
+
+
+def keep(pid: int, index: int, step: int, data: dict[str, Any]) -> None:
+    """A buddy keeps the latest snapshot of a neighbour's stage (replacing the one before)."""
+    current().buddy_snapshots[(pid, index)] = (step, data)
+
+
+def held(pid: int, index: int) -> int | None:
+    """The step of the snapshot of stage ``index`` that this buddy holds, or None."""
+    got = current().buddy_snapshots.get((pid, index))
+    return None if got is None else got[0]
+
+
+def restore(pid: int, index: int, step: int, buddy: str | None) -> None:
+    """Give stage ``index`` here its values of step ``step``: from its own snapshot (``buddy`` None:
+    a stage that was not lost rolls back) or from the one its buddy holds (a stage rebuilt here)."""
+    served = current()
+    host = served.host(pid, index)
+    if buddy is None:
+        data = served.snapshots[(pid, index)][step]
+    else:
+        data = rpc.rpc_sync(buddy, _give, args=(pid, index, step), timeout=host.timeout)
+    fill_stage(host, data, f"restoring stage {index} ({host.spec.name}) to step {step}", counters=buddy is not None,
+               copy=True)
+    if buddy is not None:  # it is this process's own now, for the next loss
+        served.snapshots[(pid, index)] = {step: data}
+
+
+def _give(pid: int, index: int, step: int) -> dict[str, Any]:
+    got_step, data = current().buddy_snapshots[(pid, index)]
+    if got_step != step:
+        raise RuntimeError(f"the snapshot of stage {index} held here is of step {got_step}, not {step}")
+    return data
