@@ -24,6 +24,7 @@ A lost master ends the run: the spares wait for a master, they cannot become one
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +59,6 @@ class Snapshots:
         self.taking: list = []  # the owners copying their stages: waited for before the next step
         self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
         self.seconds = 0.0  # the master's time spent on snapshots (waiting for the copies included)
-        self.failed: str | None = None  # why the last loss was not recovered in place
         self.taking_step: int | None = None
 
     def buddies(self, owners: list[str]) -> dict[int, str] | None:
@@ -115,7 +115,7 @@ class Snapshots:
         owners_lost = sorted({o for o in lost if o in pipe.owners})
         why = self._cannot(owners_lost)
         if why:
-            self.failed = why
+            print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)
             raise error
         gone, spare = owners_lost[0], self.spares.pop(0)
         current().lost.add(gone)

@@ -115,10 +115,12 @@ def adopt_optimizer(pid: int, new_rref, old_rref) -> int:
         if moved is None:
             continue
         states, moved_fields = moved
-        by_name = {host.spec.prefix + n: p for n, p in host.module.named_parameters()}
-        for name, st in states.items():
-            new.state[by_name[name]] = {k: v.to(by_name[name].device) if isinstance(v, torch.Tensor) and v.dim() else v
-                                        for k, v in st.items()}
+        for name, param in ((host.spec.prefix + n, p) for n, p in host.module.named_parameters()):
+            if name in states:
+                new.state[param] = {k: v.to(param.device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                    for k, v in states[name].items()}
+            elif param in new.state:  # no state in what came (a snapshot before the first step): none now
+                del new.state[param]
         fields = fields or moved_fields
         host.moved_optimizer = None
     if fields:

@@ -180,6 +180,9 @@ class PipelineEngine:
                     f"{s.index}@" + ",".join(str(row[s.index]) for row in pipe.grid) for s in pipe.specs)
                    if self.replicated else "")
                 + f"   micro-batches: {pipe.batch_chunks}, schedule {pipe.schedule}, precision {self.job.precision}")
+        if self.snapshots is not None:
+            text += (f"\nspares: {', '.join(self.snapshots.spares)}: one takes over the stages of a lost owner, rebuilt "
+                     f"from the snapshot its neighbour keeps (every {self.snapshots.every} steps)")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
             text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
                      f"batch's (Job.batchnorm='batch'); batchnorm='micro' pipelines {pipe.microbatches} micro-batches "

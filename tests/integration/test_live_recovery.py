@@ -1,0 +1,109 @@
+"""A lost owner replaced in place (``--spares``): the owner of stage 1 is killed (SIGKILL) or
+stopped (SIGSTOP past ``--hang-timeout``) from outside at a random step, by the test, not by
+rpcmp; the run ends exit 0, says one recovery line, and its model equals an uninterrupted
+run's. Without a spare, or when a second owner is lost, the run ends as it always did."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from helpers import assert_close_f32, job_path
+from rpcmp.core.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.integration
+RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+STEPS = 200
+
+
+def _command(folder, *extra):
+    return [RPCMP, "run", job_path("three"), "--local", "5", "--max-steps", str(STEPS), "--checkpoint-dir",
+            str(folder), "--metrics", str(folder) + ".jsonl", *extra]
+
+
+def _steps_done(metrics: str) -> int:
+    try:
+        return sum(1 for line in open(metrics) if json.loads(line).get("kind") == "step")
+    except (OSError, ValueError):
+        return 0
+
+
+def _process(tag: str, name: str) -> int | None:
+    """The pid of the run's process ``name`` (local ranks name themselves rpcmp-NAME)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if (open(f"/proc/{pid}/comm").read().strip() == f"rpcmp-{name}"
+                    and tag.encode() in open(f"/proc/{pid}/environ", "rb").read()):
+                return int(pid)
+        except OSError:
+            pass
+    return None
+
+
+def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240):
+    """Run the job; when the metrics show step k, send ``sig`` to process ``name``, for each (k, name, sig)."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen(_command(folder, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
+    try:
+        for at, name, sig in hits:
+            deadline = time.monotonic() + 120
+            while _steps_done(str(folder) + ".jsonl") < at:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+                time.sleep(0.002)
+            pid = _process(tag, name)
+            assert pid is not None
+            os.kill(pid, sig)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("clean") / "run"
+    done = subprocess.run(_command(folder, "--spares", "1"), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return load_checkpoint(str(folder))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig,steps", [(signal.SIGKILL, (3, 9)), (signal.SIGKILL, (11, 15)), (signal.SIGSTOP, (3, 15))],
+                         ids=["killed-before-the-first-snapshot", "killed-after-it", "stopped"])
+def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterrupted_run(tmp_path, uninterrupted, sig,
+                                                                                         steps):
+    at = random.randint(*steps)  # snapshots every 10 steps (the default) and at the start
+    print(f"hitting worker2 (stage 1) with {sig.name} at step {at}")
+    code, out = _run_and_hit(tmp_path / "run", [(at, "worker2", sig)], "--spares", "1", "--hang-timeout", "5")
+    assert code == 0, out
+    assert out.count("recovered: worker2 was lost") == 1, out
+    assert "rebuilt on worker4 from the snapshot of step" in out, out
+    if sig == signal.SIGSTOP:
+        assert "worker2" in out and "did not answer for 5s" in out and "killed it" in out, out
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == uninterrupted["step"] == STEPS
+    assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
+def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
+    code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL)], "--local", "4")
+    assert code == 1, out
+    assert "WorkerLostError" in out and "worker2 (stage 1" in out and "recovered" not in out, out
+
+
+@pytest.mark.timeout(300)
+def test_a_second_lost_owner_with_no_spare_left_ends_the_run_naming_why(tmp_path):
+    code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL), (25, "worker3", signal.SIGKILL)],
+                             "--spares", "1", "--snapshot-every", "5")
+    assert code == 1, out
+    assert out.count("recovered: worker2 was lost") == 1, out
+    assert "not recovered in place: no spare process is left" in out and "WorkerLostError" in out, out
