@@ -69,11 +69,12 @@ def move_stage(pipe, index: int, target: str) -> float:
 
 
 def build_on(pipe, index: int, place: Place, owners: list[str]):
-    """Build stage ``index`` on ``place`` as at start, for a pipeline whose stages will be on ``owners``;
-    its gate waits for the pipeline's next micro-batch. What ``stage.build`` returned."""
+    """Build stage ``index`` on ``place`` for a pipeline whose stages will be on ``owners``, to be filled
+    with every value it holds (not drawn: ``empty``); its gate waits for the pipeline's next micro-batch.
+    What ``stage.build`` returned."""
     nxt = owners[index + 1] if index + 1 < len(owners) else None
     built = rpc.rpc_sync(place.process, stage.build, args=(pipe.pid, pipe.specs[index], place, nxt, pipe.job.rpc_timeout,
-                                                           {**pipe.build_options, "owners": owners}))
+                                                           {**pipe.build_options, "owners": owners, "empty": True}))
     raise_failures([built])
     rpc.rpc_sync(place.process, stage.resync, args=(pipe.pid, index, pipe.next_seq))
     return built

@@ -128,15 +128,21 @@ class Snapshots:
                                   f"(buddies hold steps {sorted(map(str, held))})") from error
         self.taking = []  # copies on the lost process never finish; the others' are done by now
         owners = [spare if o == gone else o for o in pipe.owners]
+        # the stages that stay roll back while the lost ones are built on the spare
+        rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None))
+                   for k, o in enumerate(owners) if k not in stages]
         places = {k: Place(spare, pipe.places[k].device) for k in stages}  # the same device on the spare
+        t_build = time.perf_counter()
         built = {k: build_on(pipe, k, places[k], owners) for k in stages}
+        t_build = time.perf_counter() - t_build
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
         for k in stages:
             pipe.places[k], pipe.owners[k] = places[k], spare
         wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
         pipe.resync()  # every gate waits for the pipeline's next micro-batch
-        wait_all([rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, buddies[k] if k in built else None))
-                  for k, o in enumerate(owners)])
+        t_restore = time.perf_counter()
+        wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
+        t_restore = time.perf_counter() - t_restore
         for k, b in built.items():
             install(pipe, k, pipe.places[k], b)
         new_optimizer(pipe, old_optims)
@@ -145,15 +151,19 @@ class Snapshots:
             pipe.load_scheduler_state(kept["scheduler"])
         if kept["loss_scale"]:
             pipe.loss_scale = kept["loss_scale"]
-        self.taking = []
-        self.snap(step, kept["position"][1:])  # the spare's neighbour keeps its copy again: a next loss is covered
+        # The stages whose copies the lost process kept send theirs (of the same step) to their new buddy, the
+        # spare, so that a next loss is covered as well (the spare's own copies came with its stages).
+        after = self.buddies(pipe.owners)
+        wait_all([rpc.rpc_async(pipe.owners[k], snapshot.reship, args=(pipe.pid, k, step, after[k]))
+                  for k in range(len(owners)) if buddies[k] == gone and k not in built])
         took = time.perf_counter() - start
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
         return Recovered(kept["position"], f"recovered: {gone} was lost ({type(error).__name__}: "
                                            f"{str(error).splitlines()[0][:60]}); stage {names} "
                                            f"rebuilt on {spare} from the snapshot of step {step} kept by "
                                            f"{', '.join(sorted({buddies[k] for k in stages}))}; every stage rolled "
-                                           f"back to step {step}; {took:.2f} s")
+                                           f"back to step {step}; {took:.2f} s (build {t_build:.2f} s, "
+                                           f"state {t_restore:.2f} s)")
 
     def _cannot(self, owners_lost: list[str]) -> str | None:
         if not owners_lost:

@@ -26,7 +26,7 @@ import torch.distributed.rpc as rpc
 from ..core.served import current
 from .move import export_stage, fill_stage
 
-__all__ = ["take", "keep", "held", "restore"]
+__all__ = ["take", "reship", "keep", "held", "restore"]
 
 
 def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
@@ -48,6 +48,14 @@ def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
         futs.append(rpc.rpc_async(buddies[index], keep, args=(pid, index, step, data)))
     if futs:
         served.shipping[pid] = torch.futures.collect_all(futs)
+
+
+def reship(pid: int, index: int, step: int, buddy: str) -> None:
+    """Send this stage's own snapshot of ``step`` to a new buddy (its old one was lost), in the background."""
+    served = current()
+    fut = rpc.rpc_async(buddy, keep, args=(pid, index, step, served.snapshots[(pid, index)][step]))
+    previous = served.shipping.get(pid)
+    served.shipping[pid] = fut if previous is None else torch.futures.collect_all([previous, fut])
 
 
 def keep(pid: int, index: int, step: int, data: dict[str, Any]) -> None:

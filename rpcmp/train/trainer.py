@@ -63,7 +63,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                 try:
                     loss, n = engine.train_step(group)
                 except RolledBack as back:  # a lost owner was replaced: see rpcmp/master/recovery.py
-                    progress.console.print(back.line)
+                    progress.console.print(back.line, soft_wrap=True)
                     progress.remove_task(task)
                     del losses[len(losses) - (step - back.position[0]):]
                     step, position, rolled = back.position[0], back.position[1:], True

@@ -1,0 +1,132 @@
+"""A lost owner: recovery in place (a spare and snapshots) against a full restart and resume,
+on the demo's split Unet (examples/unet_split/job.py), in one run of this script.
+
+    make bench            # or: .venv/bin/python benchmarks/recovery.py [--kill-at 12] [--every 5]
+
+Both runs snapshot / checkpoint every ``--every`` steps and lose the owner of stage 1 (the
+decoder, worker2) to a SIGKILL sent from here once step ``--kill-at`` is in the metrics file:
+
+* in place: ``rpcmp run --local 5 --spares 1 --snapshot-every N``; the master rebuilds the
+  stage on the spare and rolls back to the last snapshot;
+* restart: ``rpcmp run --local 4 --checkpoint-every N``, which ends (exit 1), then the same
+  command with ``--resume``: new processes, imports, RPC, builds, the checkpoint read back.
+
+Recovery time = death to the first step completed after it (the metrics' wall-clock
+stamps); "back at step k" = death to the step the run had reached when it was hit. The
+step time with snapshots (the first run, before the kill) against without (the second) is
+their cost. Writes bench-results/recovery.json and prints a table.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "examples", "unet_split", "job.py")
+RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+
+
+def _records(path: str) -> list[dict]:
+    try:
+        return [json.loads(line) for line in open(path) if line.strip()]
+    except (OSError, ValueError):
+        return []
+
+
+def _steps(path: str) -> list[dict]:
+    return [r for r in _records(path) if r.get("kind") == "step"]
+
+
+def _victim(tag: str, name: str) -> int:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if (open(f"/proc/{pid}/comm").read().strip() == f"rpcmp-{name}"
+                    and tag.encode() in open(f"/proc/{pid}/environ", "rb").read()):
+                return int(pid)
+        except OSError:
+            pass
+    raise RuntimeError(f"no process {name} of this run")
+
+
+def _run(args: list[str], metrics: str, tag: str, kill_at: int | None) -> tuple[int, float | None, str]:
+    """Run ``rpcmp run JOB args``; SIGKILL worker2 once step ``kill_at`` is logged. (exit code, kill time, output)."""
+    proc = subprocess.Popen([RPCMP, "run", JOB, *args, "--metrics", metrics], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "160"})
+    killed = None
+    while kill_at is not None and killed is None and proc.poll() is None:
+        if len(_steps(metrics)) >= kill_at:
+            os.kill(_victim(tag, "worker2"), signal.SIGKILL)
+            killed = time.time()
+        time.sleep(0.01)
+    out, _ = proc.communicate(timeout=1800)
+    return proc.returncode, killed, out
+
+
+def _after(steps: list[dict], t: float, k: int) -> tuple[float, float]:
+    """Seconds from ``t`` to the first step completed after it, and to step ``k`` completed again."""
+    later = [r for r in steps if r["time"] > t]
+    return later[0]["time"] - t, next(r["time"] for r in later if r["step"] == k) - t
+
+
+@click.command()
+@click.option("--kill-at", default=12, show_default=True, help="SIGKILL the owner of stage 1 after this step.")
+@click.option("--every", default=5, show_default=True, help="Steps between snapshots / checkpoints.")
+@click.option("--steps", default=20, show_default=True, help="Steps of each run.")
+@click.option("--out", default=os.path.join(ROOT, "bench-results", "recovery.json"), show_default=True)
+def main(kill_at: int, every: int, steps: int, out: str) -> None:
+    work = os.path.join(ROOT, "bench-results", f"recovery-{uuid.uuid4().hex[:8]}")
+    os.makedirs(work)
+    common = ["--max-steps", str(steps), "--epochs", "100"]
+    tag = uuid.uuid4().hex
+    inplace = os.path.join(work, "inplace.jsonl")
+    code, t_in, log_in = _run(["--local", "5", "--spares", "1", "--snapshot-every", str(every), *common], inplace, tag,
+                              kill_at)
+    assert code == 0 and "recovered: worker2" in log_in, log_in[-3000:]
+    folder, restart = os.path.join(work, "ckpt"), os.path.join(work, "restart.jsonl")
+    code, t_re, log_re = _run(["--local", "4", "--checkpoint-dir", folder, "--checkpoint-every", str(every), *common],
+                              restart, tag, kill_at)
+    assert code != 0, log_re[-3000:]
+    code, _, log_re2 = _run(["--local", "4", "--checkpoint-dir", folder, "--checkpoint-every", str(every), "--resume",
+                             *common], restart, tag, None)
+    assert code == 0 and "resumed run" in log_re2, log_re2[-3000:]
+    first_in, back_in = _after(_steps(inplace), t_in, kill_at)
+    first_re, back_re = _after(_steps(restart), t_re, kill_at)
+    with_snap = [r["step_s"] for r in _steps(inplace) if 1 < r["step"] <= kill_at and r["time"] < t_in]
+    without = [r["step_s"] for r in _steps(restart) if 1 < r["step"] <= kill_at and r["time"] < t_re]
+    result = {"kill_at": kill_at, "every": every,
+              "in_place": {"first_step_s": first_in, "back_at_kill_step_s": back_in},
+              "restart": {"first_step_s": first_re, "back_at_kill_step_s": back_re},
+              "ratio_first_step": first_in / first_re,
+              "step_s_with_snapshots": {"median": statistics.median(with_snap), "mean": statistics.mean(with_snap)},
+              "step_s_without": {"median": statistics.median(without), "mean": statistics.mean(without)},
+              "recovery_line": next(line for line in log_in.splitlines() if "recovered:" in line).strip()}
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    json.dump(result, open(out, "w"), indent=2)
+    table = Table(title=f"a lost owner of the split Unet (SIGKILL after step {kill_at}; snapshots / checkpoints "
+                        f"every {every} steps)")
+    for col in ("", "death -> first step after", f"death -> step {kill_at} again"):
+        table.add_column(col, justify="right")
+    table.add_row("in place (spare + snapshot)", f"{first_in:.2f} s", f"{back_in:.2f} s")
+    table.add_row("restart + --resume", f"{first_re:.2f} s", f"{back_re:.2f} s")
+    table.add_row("in place / restart", f"{first_in / first_re:.1%}", f"{back_in / back_re:.1%}")
+    console = Console()
+    console.print(table)
+    console.print(result["recovery_line"])
+    console.print(f"step time with snapshots every {every}: mean {statistics.mean(with_snap):.3f} s, median "
+                  f"{statistics.median(with_snap):.3f} s; without: mean {statistics.mean(without):.3f} s, median "
+                  f"{statistics.median(without):.3f} s (steps 2-{kill_at})")
+    console.print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
