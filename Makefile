@@ -32,6 +32,7 @@ bench: install
 	$(PY) benchmarks/bench.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/grid.py
+	$(PY) benchmarks/recovery.py
 
 # The CUDA paths and their timings on this machine's GPU; says "no CUDA device: skipped" without one.
 gpu-check: install

@@ -47,25 +47,32 @@ def _steps(path: str) -> list[dict]:
     return [r for r in _records(path) if r.get("kind") == "step"]
 
 
-def _victim(tag: str, name: str) -> int:
+def _victim(root: int, name: str) -> int:
+    """The process of the run started as ``root`` that names itself ``rpcmp-NAME`` (a descendant of it)."""
+    def parent(pid: str) -> int:
+        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if (open(f"/proc/{pid}/comm").read().strip() == f"rpcmp-{name}"
-                    and tag.encode() in open(f"/proc/{pid}/environ", "rb").read()):
+            if open(f"/proc/{pid}/comm").read().strip() != f"rpcmp-{name}":
+                continue
+            up = parent(pid)
+            while up > 1 and up != root:
+                up = parent(str(up))
+            if up == root:
                 return int(pid)
         except OSError:
             pass
     raise RuntimeError(f"no process {name} of this run")
 
 
-def _run(args: list[str], metrics: str, tag: str, kill_at: int | None) -> tuple[int, float | None, str]:
+def _run(args: list[str], metrics: str, kill_at: int | None) -> tuple[int, float | None, str]:
     """Run ``rpcmp run JOB args``; SIGKILL worker2 once step ``kill_at`` is logged. (exit code, kill time, output)."""
     proc = subprocess.Popen([RPCMP, "run", JOB, *args, "--metrics", metrics], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "160"})
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "160"})
     killed = None
     while kill_at is not None and killed is None and proc.poll() is None:
         if len(_steps(metrics)) >= kill_at:
-            os.kill(_victim(tag, "worker2"), signal.SIGKILL)
+            os.kill(_victim(proc.pid, "worker2"), signal.SIGKILL)
             killed = time.time()
         time.sleep(0.01)
     out, _ = proc.communicate(timeout=1800)
@@ -87,17 +94,15 @@ def main(kill_at: int, every: int, steps: int, out: str) -> None:
     work = os.path.join(ROOT, "bench-results", f"recovery-{uuid.uuid4().hex[:8]}")
     os.makedirs(work)
     common = ["--max-steps", str(steps), "--epochs", "100"]
-    tag = uuid.uuid4().hex
     inplace = os.path.join(work, "inplace.jsonl")
-    code, t_in, log_in = _run(["--local", "5", "--spares", "1", "--snapshot-every", str(every), *common], inplace, tag,
-                              kill_at)
+    code, t_in, log_in = _run(["--local", "5", "--spares", "1", "--snapshot-every", str(every), *common], inplace, kill_at)
     assert code == 0 and "recovered: worker2" in log_in, log_in[-3000:]
     folder, restart = os.path.join(work, "ckpt"), os.path.join(work, "restart.jsonl")
     code, t_re, log_re = _run(["--local", "4", "--checkpoint-dir", folder, "--checkpoint-every", str(every), *common],
-                              restart, tag, kill_at)
+                              restart, kill_at)
     assert code != 0, log_re[-3000:]
     code, _, log_re2 = _run(["--local", "4", "--checkpoint-dir", folder, "--checkpoint-every", str(every), "--resume",
-                             *common], restart, tag, None)
+                             *common], restart, None)
     assert code == 0 and "resumed run" in log_re2, log_re2[-3000:]
     first_in, back_in = _after(_steps(inplace), t_in, kill_at)
     first_re, back_re = _after(_steps(restart), t_re, kill_at)

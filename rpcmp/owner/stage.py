@@ -52,7 +52,7 @@ from ..errors import StageError
 from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
 from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
-from ..plan.partition import StageSpec, build_stage, has_batchnorm
+from ..plan.partition import StageSpec, build_empty, build_stage, has_batchnorm
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
 from .reduce import StepReduce, add_grads, param_grads
@@ -186,7 +186,7 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
         # draws its initial weights from it, so they must not interleave.
         served = current()
         with served.build_lock:
-            module = _empty(served.job, spec, device) if options.get("empty") else None
+            module = build_empty(served.job, spec, device) if options.get("empty") else None
             if module is None:
                 module = build_stage(served.job, spec, device=device).to(device)
     except Exception as exc:  # noqa: BLE001 - reported on the master
@@ -203,21 +203,6 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
                                                 mail_in=tuple(route.mail_in) if route else (),
                                                 posts=bool(route.posts) if route else False)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
-
-
-def _empty(job, spec: StageSpec, device: torch.device) -> torch.nn.Module | None:
-    """The stage's structure with memory that is not initialized, for a stage whose every parameter and
-    buffer is about to be copied in (``rpcmp.owner.move.fill_stage`` checks that it gets them all): a
-    tenth of a full build's time for an smp Unet's decoder, which draws the whole model's initial values.
-    None where a tensor that is neither would be left on the meta device (a plain attribute), and for
-    traced stages (constants the trace lifts) and module instances (``to("meta")`` would change the job's)."""
-    if spec.kind not in ("names", "slice"):
-        return None
-    module = build_stage(job, spec, meta=True).to_empty(device=device)
-    for m in module.modules():
-        if any(isinstance(v, torch.Tensor) and v.is_meta for v in vars(m).values()):
-            return None
-    return module
 
 
 def _done(value: Any) -> torch.futures.Future:
