@@ -33,6 +33,7 @@ bench: install
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/grid.py
 	$(PY) benchmarks/recovery.py
+	$(PY) benchmarks/rebalance.py
 
 # The CUDA paths and their timings on this machine's GPU; says "no CUDA device: skipped" without one.
 gpu-check: install

@@ -54,6 +54,7 @@ class Job:
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
     replicas: int = 1  # pipeline mode: copies of the pipeline, each on its share of every batch (rpcmp/master/replicas.py)
     spares: int = 0  # pipeline mode: the last ranks hold no stage and wait to take one (rpcmp/master/recovery.py)
+    rebalance: bool = False  # a Split pipeline re-cuts itself when its stages' measured work is out of balance
     snapshot_every: int | None = None  # with spares: steps between in-memory snapshots of the stages (None: 10; 0: off)
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
     precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
@@ -99,6 +100,9 @@ class Job:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise JobError(f"Job.{name} must be 0 or a positive integer, got {value!r}")
+        if self.rebalance and not isinstance(self.stages, Split):
+            raise JobError(f"Job.rebalance re-cuts a Split (the layers of an nn.Sequential); these stages are "
+                           f"{type(self.stages).__name__}: declare them with rpcmp.Split(...), or drop rebalance")
         if self.spares and self.mode != "pipeline":
             raise JobError(f"Job.spares={self.spares}: spare processes take over a lost pipeline stage; DDP mode has no "
                            f"stages: drop spares, or use mode='pipeline'")

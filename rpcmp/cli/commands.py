@@ -47,6 +47,8 @@ def job_options(fn):
         click.option("--resume", is_flag=True, default=None, help="Continue from the latest checkpoint."),
         click.option("--init-from", type=click.Path(dir_okay=False),
                      help="Initial values from a state_dict file; each owner reads its own keys (Job.init_from)."),
+        click.option("--rebalance", is_flag=True, default=None,
+                     help="Pipeline mode, Split stages: re-cut while training when the stages' measured work is uneven."),
         click.option("--spares", type=int, help="Pipeline mode: the last K processes hold no stage and take over a lost one."),
         click.option("--snapshot-every", type=int,
                      help="With --spares: steps between in-memory snapshots a lost stage is rebuilt from."),
@@ -62,7 +64,7 @@ def job_options(fn):
     @functools.wraps(fn)
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule",
-                "mode", "replicas", "spares", "snapshot_every", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
+                "mode", "replicas", "rebalance", "spares", "snapshot_every", "accumulate", "precision", "sync_batchnorm", "batchnorm", "recompute",
                 "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "metrics_file", "trace_file")
         set_options(iface=kw.pop("iface", None), connect_timeout=kw.pop("connect_timeout", None))
         kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None

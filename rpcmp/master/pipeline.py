@@ -68,7 +68,7 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 from ..core import health
-from . import inbox, tied
+from . import inbox, move, recut, tied
 from ..owner import stage
 from ..errors import JobError, StageError
 from ..data import needs_sample, sample_batch
@@ -374,10 +374,12 @@ class Pipeline(PipelineState):
         return self._each(stage.stats)
 
     def move_stage(self, index: int, target: str) -> float:
-        """Move stage ``index`` to process ``target`` (``"worker4"``, ``"worker4/cuda:0"``) between two
-        steps, with everything it holds; returns the seconds it took. See :mod:`rpcmp.master.move`."""
-        from .move import move_stage
-        return move_stage(self, index, target)
+        """Move stage ``index`` to process ``target`` (``"worker4/cpu"``) between steps (rpcmp.master.move); seconds."""
+        return move.move_stage(self, index, target)
+
+    def recut(self, balance: list[int]) -> float:
+        """Re-cut a ``Split`` pipeline into ``balance`` between two steps (rpcmp.master.recut); seconds."""
+        return recut.recut(self, balance)
 
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""

@@ -30,7 +30,8 @@ from ..errors import StageError
 from . import state as stage_state
 from .stage import named_params
 
-__all__ = ["export_stage", "take_stage", "fill_stage", "set_routes", "drop_stage", "adopt_optimizer"]
+__all__ = ["export_stage", "take_stage", "gather_stage", "rekey", "fill_stage", "set_routes", "drop_stage",
+           "adopt_optimizer"]
 
 _COUNTERS = ("compute_s", "runs", "bytes_in", "bytes_out", "events")
 
@@ -47,7 +48,7 @@ def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False
             "buffers": {n: own(b) for n, b in module.named_buffers()},
             "optimizer": optim, "fields": read_fields(optim_rref.local_value().optim) if optim_rref is not None else {},
             "training": module.training, "rng": stage_state.rng_state() if rng else None,
-            "counters": {k: getattr(host, k) for k in _COUNTERS}}
+            "counters": {k: getattr(host, k) for k in _COUNTERS}, "prefix": host.spec.prefix}
 
 
 def take_stage(pid: int, index: int, source: str, optim_rref, rng: bool) -> None:
@@ -81,6 +82,39 @@ def fill_stage(host, got: dict[str, Any], where: str, counters: bool = True, cop
     if copy:
         optim = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()} for n, st in optim.items()}
     host.moved_optimizer = (optim, got["fields"])  # taken by adopt_optimizer
+
+
+def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int]], optims: dict) -> None:
+    """Fill the stage ``index`` just built here (a re-cut: other layers than before) with the tensors it
+    now holds, by the unsplit model's names, from the old stages that held them (``sources``: process ->
+    old stage indices of pipeline ``old_pid``; ``optims``: their local optimizers, by process)."""
+    host = current().host(pid, index)
+    mine = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
+    got: dict[str, Any] = {"params": {}, "buffers": {}, "optimizer": {}, "fields": {}, "training": True, "rng": None,
+                           "counters": {}}
+    for process, olds in sources.items():
+        for j in olds:
+            part = rpc.rpc_sync(process, export_stage, args=(old_pid, j, optims.get(process), False), timeout=host.timeout)
+            for kind in ("params", "buffers"):
+                for name, tensor in part[kind].items():
+                    full = part["prefix"] + name
+                    if full.startswith(host.spec.prefix):
+                        got[kind][full[len(host.spec.prefix):]] = tensor
+            got["optimizer"].update({n: st for n, st in part["optimizer"].items() if n in mine})
+            got["fields"] = got["fields"] or part["fields"]
+            got["training"] = part["training"]
+    keep = {"params": dict(host.module.named_parameters()), "buffers": dict(host.module.named_buffers())}
+    for kind in ("params", "buffers"):  # the old stages held more than this one takes (fill_stage wants its own)
+        got[kind] = {n: t for n, t in got[kind].items() if n in keep[kind]}
+    fill_stage(host, got, f"re-cutting stage {index} ({host.spec.name}) on {rpc.get_worker_info().name}", counters=False)
+
+
+def rekey(old_pid: int, pid: int, index: int) -> None:
+    """A stage that a re-cut leaves as it is joins the re-cut pipeline ``pid`` unchanged (no copy)."""
+    hosts = current().hosts
+    host = hosts.pop((old_pid, index))
+    host.pid = pid
+    hosts[(pid, index)] = host
 
 
 def set_routes(pid: int, owners: list[str]) -> None:

@@ -284,7 +284,7 @@ class DDPEngine:
         if beats.store.get(key) != b"ok":
             raise RunAbortedError(f"rank {self.rank}: rank 0 failed to write the checkpoint of step {step} (its log says why)")
 
-    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> None:
+    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None:
         """DDP mode has no stages to snapshot (Job.spares is pipeline mode's)."""
 
     def remove_incomplete(self, directory: str) -> list[tuple[str, int]]:

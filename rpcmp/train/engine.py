@@ -15,6 +15,7 @@ from ..data import data_loader, epoch_batches, step_groups
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
 from ..master.recovery import Snapshots
+from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
 from ..plan.topology import Topology
 from ..core.served import RunStatus
@@ -43,7 +44,7 @@ class Engine(Protocol):
     def steps_per_epoch(self, n: int) -> int: ...
     def epoch_loader(self, dataset, epoch: int, first_batch: int): ...
     def train_step(self, group: list) -> tuple[float, int]: ...  # raises RolledBack after a recovery
-    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> None: ...
+    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None: ...
     def evaluate(self, dataset) -> float: ...
     def train(self) -> None: ...
     def state_meta(self) -> dict[str, torch.Tensor]: ...
@@ -84,6 +85,7 @@ class PipelineEngine:
         every = job.snapshot_every if job.snapshot_every is not None else 10
         # Spares take over a lost owner's stage, rebuilt from a snapshot (see [Note: recovery from a lost owner]).
         self.snapshots = Snapshots(pipe, every, spares) if spares and every and not self.replicated else None
+        self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
 
     def steps_per_epoch(self, n: int) -> int:
         return n // self.job.batch_size // self.job.accumulate
@@ -107,10 +109,13 @@ class PipelineEngine:
             raise RolledBack(back.position, back.line) from exc
         return loss.item(), batch_size(x)
 
-    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> None:
-        """With spares: snapshot the stages when it is due, and at the first step of the run."""
+    def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None:
+        """With rebalance: re-cut when it pays (what it did is returned, for the log). With spares: snapshot
+        the stages when it is due, at the first step of the run and after a re-cut."""
+        note = self.rebalancer.after_step(step) if self.rebalancer is not None and not first else None
         if self.snapshots is not None:
-            self.snapshots.snap(step, position) if first else self.snapshots.after_step(step, position)
+            self.snapshots.snap(step, position) if first or note else self.snapshots.after_step(step, position)
+        return note
 
     def evaluate(self, dataset) -> float:
         return evaluate(self.pipe, dataset, self.job)

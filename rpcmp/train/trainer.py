@@ -77,7 +77,8 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                 progress.update(task, advance=1, epoch=epoch + 1, loss=loss,
                                 rate=samples / (time.perf_counter() - start))
                 position = (epoch, k + 1) if k + 1 < steps else (epoch + 1, 0)
-                engine.after_step(step, position)
+                if note := engine.after_step(step, position):  # a re-cut (Job.rebalance) says what it did
+                    progress.console.print(note, soft_wrap=True)
                 if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
                     saved = _save(job, engine, run, step, *position)
                 if step >= total:

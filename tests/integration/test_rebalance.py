@@ -1,0 +1,62 @@
+"""Re-cutting a Split pipeline while it trains: ``pipe.recut(balance)`` by hand, and
+``--rebalance``, which re-cuts by itself; the model is the one an undisturbed run trains."""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rpcmp
+from helpers import assert_close_f32, job_path, run_ranks
+from rpcmp.core.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.integration
+RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+
+
+def _recuts(job, world_size):
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(16, 256, generator=g), torch.randn(16, 256, generator=g)) for _ in range(8)]
+    out = {}
+    for cuts in ({}, {3: [3, 3, 2], 5: [3, 2, 3], 6: [3, 1, 4]}):  # the last keeps stage 0 as it is
+        pipe = rpcmp.Pipeline(dataclasses.replace(job, microbatches=2), world_size)
+        losses, names = [], []
+        for step, (x, y) in enumerate(data):
+            if step in cuts:
+                pipe.recut(cuts[step])
+                names.append([s.name for s in pipe.specs])
+            losses.append(pipe.train_step(x, y).item())
+        out[bool(cuts)] = (losses, pipe.state_dict(), pipe.optimizer_state(), names)
+        pipe.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_run_re_cut_three_times_equals_an_undisturbed_run():
+    runs = run_ranks("uneven", 4, _recuts, timeout=240)
+    (l0, s0, o0, _), (l1, s1, o1, names) = runs[False], runs[True]
+    assert names[0] == ["layers[0:3]", "layers[3:6]", "layers[6:8]"] and names[2][0] == "layers[0:3]"
+    assert l1 == l0
+    for k in s0:
+        assert torch.equal(s1[k], s0[k]), k
+    for k in o0:
+        assert all(torch.equal(o1[k][f], o0[k][f]) for f in o0[k]), k
+
+
+@pytest.mark.timeout(300)
+def test_rebalance_re_cuts_an_uneven_split_by_itself_and_trains_the_same_model(tmp_path):
+    common = [RPCMP, "run", job_path("uneven"), "--local", "4", "--max-steps", "40"]
+    plain = subprocess.run([*common, "--checkpoint-dir", str(tmp_path / "plain")], capture_output=True, text=True,
+                           timeout=240)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    moved = subprocess.run([*common, "--rebalance", "--checkpoint-dir", str(tmp_path / "moved")], capture_output=True,
+                           text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
+    assert moved.returncode == 0, moved.stdout + moved.stderr
+    cuts = re.findall(r"re-cut after step \d+: balance \[([\d, ]+)\] -> \[([\d, ]+)\]", moved.stdout)
+    assert cuts and cuts[0][0] == "1, 5, 2", moved.stdout
+    after = [tuple(map(int, b.split(", "))) for _, b in cuts]
+    assert max(after[-1]) <= 4 and len(set(after)) == len(after) and (1, 5, 2) not in after  # never back
+    assert_close_f32(load_checkpoint(str(tmp_path / "moved"))["model"], load_checkpoint(str(tmp_path / "plain"))["model"])
