@@ -122,7 +122,8 @@ def run(job_file, nprocs, workers, listen, token_file, overrides):
         raise click.BadParameter("give exactly one of --local N (processes here) or --workers N (daemons)")
     if workers is not None:
         from ..launch.daemon import run_master
-        run_master(job_file, workers, listen, token_file, overrides, fit)
+        from ..launch.drain import DrainRequests
+        run_master(job_file, workers, listen, token_file, overrides, fit, control=DrainRequests)
         return
     if nprocs < 2:
         raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
@@ -171,6 +172,24 @@ def export(checkpoint, out):
     from ..core.checkpoint import export_model
     path, keys, size = export_model(checkpoint, out)
     Console().print(f"wrote {out}: {keys} tensors, {_mib(size)}, the model of {path}")
+
+
+@main.command()
+@click.option("--master", required=True, help="HOST:PORT of the job's master (`rpcmp run --workers N --listen HOST:PORT`).")
+@click.option("--rank", type=int, required=True, help="The rank to drain (1..N).")
+@click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="The shared job token (or env RPCMP_TOKEN).")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the master's answer.")
+def drain(master, rank, token_file, timeout):
+    """Move the stages of RANK to spares while the job trains, and let its daemon finish (a node to reboot)."""
+    from ..launch.daemon import read_token
+    from ..launch.drain import request_drain
+    try:
+        ok, message = request_drain(master, rank, read_token(None, token_file), timeout)
+    except RpcmpError as exc:
+        report(exc)
+        sys.exit(2)
+    Console(stderr=not ok).print(escape(message))
+    sys.exit(0 if ok else 1)
 
 
 @main.command()

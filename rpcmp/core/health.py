@@ -95,18 +95,19 @@ class Watchdog(threading.Thread):
     """Ping every worker; end the master if one stays silent for ``timeout`` seconds."""
 
     def __init__(self, workers: list[str], timeout: float, status: RunStatus, interval: float = 1.0,
-                 fence: bool = False):
+                 fence: bool = False, gone: set[str] | None = None):
         super().__init__(daemon=True, name="rpcmp-watchdog")
         self.workers, self.timeout, self.status, self.interval = workers, timeout, status, interval
         self._halt = threading.Event()
         self.fence, self.fenced, self.identities = fence, set(), {}
+        self.gone = gone if gone is not None else set()  # left the run on purpose or replaced: not watched
         if fence:  # who each worker is, while every one answers: see the module's docstring
             futs = {w: rpc.rpc_async(w, _identity, timeout=30) for w in workers}
             self.identities = {w: f.wait() for w, f in futs.items()}
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):
-            lost = unresponsive([w for w in self.workers if w not in self.fenced], self.timeout)
+            lost = unresponsive([w for w in self.workers if w not in self.fenced and w not in self.gone], self.timeout)
             if lost and self.fence and not self._halt.is_set():
                 for w in lost:
                     self._fence(w)

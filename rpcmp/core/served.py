@@ -107,7 +107,10 @@ class Served:
         self.snapshots: dict = {}
         self.buddy_snapshots: dict = {}
         self.shipping: dict = {}
-        self.lost: set[str] = set()  # on the master: processes lost and replaced in place (rpcmp/master/recovery.py)
+        # on the master: processes that left the run early, lost and replaced in place (rpcmp/master/recovery.py)
+        # or drained (rpcmp/launch/drain.py); and, in a daemon job, the drain requests to look at between steps
+        self.lost: set[str] = set()
+        self.control = None
         self.previous_run: str | None = None
         self.keep_run = None
         self._pipeline_ids = itertools.count()

@@ -306,15 +306,24 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
     return store, raw
 
 
-def run_master(job_file: str, workers: int, listen: str, token_file: str | None, overrides, main) -> None:
-    """``rpcmp run JOB --workers N``: offer the job to N daemons, then be its rank 0 here."""
+def run_master(job_file: str, workers: int, listen: str, token_file: str | None, overrides, main,
+               control=None) -> None:
+    """``rpcmp run JOB --workers N``: offer the job to N daemons, then be its rank 0 here. ``control``:
+    made from (offer store, token, job id), what the trainer looks at between steps (``rpcmp drain``'s
+    requests: rpcmp.launch.drain.DrainRequests)."""
     from .runtime import run_rank
     select_interface()
     host, _, port = listen.rpartition(":")
-    store = publish_job(job_file, workers, host, int(port), read_token(None, token_file), overrides,
-                        LaunchEnv.read().connect_timeout)
+    from ..core.served import current
+    token = read_token(None, token_file)
+    store = publish_job(job_file, workers, host, int(port), token, overrides, LaunchEnv.read().connect_timeout)
+    requests = control(store[0], token, json.loads(store[0].get(_KEY))["id"]) if control is not None else None
+
+    def main_here(job, world_size):
+        current().control = requests  # `rpcmp drain` requests reach the trainer: see [Note: draining a rank]
+        return main(job, world_size)
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
-    run_rank(job_file, 0, workers + 1, main, overrides, local_procs=1)
+    run_rank(job_file, 0, workers + 1, main_here, overrides, local_procs=1)
     del store  # the rendezvous store lives as long as the run
 
 

@@ -12,8 +12,6 @@ import math
 import os
 import socket
 import sys
-import threading
-import time
 import warnings
 from typing import Any, Callable
 
@@ -30,6 +28,7 @@ from ..plan.topology import Topology
 from .env import LaunchEnv
 from .groups import join_stage_groups, leave_stage_groups, share_nodes
 from ..core.served import current, serve
+from ..owner.move import leave_soon
 
 __all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
 
@@ -167,7 +166,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         if rank == 0 and main is not None:
             if world_size > 1 and job.hang_timeout:
                 watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout, served.status,
-                                    fence=bool(job.spares))
+                                    fence=bool(job.spares), gone=served.lost)
                 watchdog.start()
             result = main(job, world_size)
     except BaseException as exc:  # shut the world down, then re-raise
@@ -207,19 +206,14 @@ def _outcome(ok: bool, graceful: bool = True) -> None:
     # stage groups while it is up (a destroy after the master left waited for it until killed).
     leave_stage_groups(served)
     if not graceful:  # see [Note: leaving a world with a lost peer]
-        threading.Thread(target=_leave_now, args=(0 if ok else 1,), daemon=True).start()
+        leave_soon(0 if ok else 1)
 
 
 # [Note: leaving a world with a lost peer]
 # A worker serves by waiting in a graceful ``rpc.shutdown``, whose barrier counts every rank of
-# the world: after a peer was lost and replaced in place (rpcmp/master/recovery.py) it would
-# wait out the store's timeout (60 s) for the dead one. The master says so with the outcome;
-# the worker then leaves at once, with the exit code of the run, once its answer is on its way.
-def _leave_now(code: int) -> None:
-    time.sleep(0.5)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+# the world: after a peer was lost and replaced in place (rpcmp/master/recovery.py) or drained,
+# it would wait out the store's timeout (60 s) for the one gone. The master says so with the
+# outcome; the worker then leaves at once, with the exit code of the run, once its answer is on its way.
 
 
 def _tell_outcome(workers: list[str], ok: bool, graceful: bool = True) -> None:

@@ -55,7 +55,7 @@ class Snapshots:
     """The master's side of ``Job(snapshot_every=N)`` for one pipeline, and its recovery."""
 
     def __init__(self, pipe, every: int, spares: list[str]):
-        self.pipe, self.every, self.spares = pipe, every, list(spares)
+        self.pipe, self.every, self.spares = pipe, every, spares  # the engine's list: a drain takes from it too
         self.taking: list = []  # the owners copying their stages: waited for before the next step
         self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
         self.seconds = 0.0  # the master's time spent on snapshots (waiting for the copies included)
@@ -111,7 +111,7 @@ class Snapshots:
         start = time.perf_counter()
         pipe = self.pipe
         lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
-        self.spares = [s for s in self.spares if s not in lost]
+        self.spares[:] = [s for s in self.spares if s not in lost]
         owners_lost = sorted({o for o in lost if o in pipe.owners})
         why = self._cannot(owners_lost)
         if why:

@@ -19,6 +19,10 @@ its generators as they are.
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from typing import Any
 
 import torch
@@ -31,7 +35,7 @@ from . import state as stage_state
 from .stage import named_params
 
 __all__ = ["export_stage", "take_stage", "gather_stage", "rekey", "fill_stage", "set_routes", "drop_stage",
-           "adopt_optimizer"]
+           "adopt_optimizer", "leave_soon"]
 
 _COUNTERS = ("compute_s", "runs", "bytes_in", "bytes_out", "events")
 
@@ -123,6 +127,18 @@ def set_routes(pid: int, owners: list[str]) -> None:
         host.owners = list(owners)
         i = host.spec.index
         host.next_process = owners[i + 1] if i + 1 < len(owners) else None
+
+
+def leave_soon(code: int = 0) -> None:
+    """This process leaves the run with exit code ``code`` once its answer is on its way: a drained rank
+    (rpcmp/launch/drain.py), or any worker after a peer was lost (see [Note: leaving a world with a lost
+    peer] in rpcmp/launch/runtime.py)."""
+    def leave():
+        time.sleep(0.5)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    threading.Thread(target=leave, daemon=True).start()
 
 
 def drop_stage(pid: int, index: int) -> None:

@@ -7,6 +7,7 @@ import contextlib
 from typing import Any, Protocol
 
 import torch
+import torch.distributed.rpc as rpc
 from rich.console import Console
 from rich.table import Table
 
@@ -15,10 +16,12 @@ from ..data import data_loader, epoch_batches, step_groups
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
 from ..master.recovery import Snapshots
+from ..owner import move as owner_move
+from ..plan.placement import process_name
 from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
 from ..plan.topology import Topology
-from ..core.served import RunStatus
+from ..core.served import RunStatus, current
 
 __all__ = ["Engine", "PipelineEngine", "make_engine", "evaluate", "RolledBack"]
 
@@ -81,10 +84,10 @@ class PipelineEngine:
         self.pipe, self.job = pipe, job
         self.replicated = topology is not None and topology.replicated
         self.status = pipe.status
-        spares = list(topology.spares) if topology is not None else []
+        self.spares = list(topology.spares) if topology is not None else []  # free processes, in rank order
         every = job.snapshot_every if job.snapshot_every is not None else 10
         # Spares take over a lost owner's stage, rebuilt from a snapshot (see [Note: recovery from a lost owner]).
-        self.snapshots = Snapshots(pipe, every, spares) if spares and every and not self.replicated else None
+        self.snapshots = Snapshots(pipe, every, self.spares) if self.spares and every and not self.replicated else None
         self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
 
     def steps_per_epoch(self, n: int) -> int:
@@ -110,12 +113,42 @@ class PipelineEngine:
         return loss.item(), batch_size(x)
 
     def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None:
-        """With rebalance: re-cut when it pays (what it did is returned, for the log). With spares: snapshot
-        the stages when it is due, at the first step of the run and after a re-cut."""
-        note = self.rebalancer.after_step(step) if self.rebalancer is not None and not first else None
+        """Between two steps: re-cut when it pays (Job.rebalance), drain the ranks `rpcmp drain` asked for,
+        and snapshot the stages when it is due (spares), at the first step and after the stages changed
+        place. Returns what changed, for the log, or None."""
+        notes = [self.rebalancer.after_step(step)] if self.rebalancer is not None and not first else []
+        control = current().control
+        if control is not None and not first:
+            notes += [self._drain(control, number, rank, nonce) for number, rank, nonce in control.pending()]
+        notes = [n for n in notes if n]
         if self.snapshots is not None:
-            self.snapshots.snap(step, position) if first or note else self.snapshots.after_step(step, position)
-        return note
+            self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
+        return "\n".join(notes) or None
+
+    def _drain(self, control, number: int, rank: int, nonce: str) -> str:
+        """Move every stage of ``rank`` to a spare and let the process go (see [Note: draining a rank])."""
+        pipe, name = self.pipe, process_name(rank)
+        held = [k for k, o in enumerate(pipe.owners) if o == name]
+        why = ("the master cannot be drained" if rank == 0 else "a pipeline with replicas cannot move stages yet"
+               if self.replicated else None if name in self.spares or not held else
+               None if self.spares else "no spare process is free to take its stages (--spares)")
+        if name not in self.spares and not held and why is None:
+            why = f"{name} is not a process of this job"
+        if why is not None:
+            control.answer(number, nonce, False, f"{name} not drained: {why}")
+            return f"drain of {name} refused: {why}"
+        if name in self.spares:
+            self.spares.remove(name)
+            text = f"drained {name}: a spare, it held no stage; it leaves the run"
+        else:
+            spare = self.spares.pop(0)
+            took = sum(pipe.move_stage(k, f"{spare}/{pipe.places[k].device}") for k in held)
+            text = (f"drained {name}: stage {', '.join(str(k) for k in held)} moved to {spare} in {took:.2f} s; "
+                    f"{name} leaves the run")
+        current().lost.add(name)
+        rpc.rpc_sync(name, owner_move.leave_soon, args=(0,))
+        control.answer(number, nonce, True, text)
+        return text
 
     def evaluate(self, dataset) -> float:
         return evaluate(self.pipe, dataset, self.job)

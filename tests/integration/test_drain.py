@@ -1,0 +1,79 @@
+"""Draining a rank of a daemon job while it trains: `rpcmp drain` moves its stage to the spare, its
+daemon finishes the job (exit 0) and waits for the next, and the model is an undisturbed run's. A
+request without the token is ignored; a drain with no spare left is refused, the job going on."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import assert_close_f32, job_path
+from rpcmp.core.checkpoint import load_checkpoint
+from test_daemons import free_port
+
+pytestmark = pytest.mark.integration
+RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+STEPS = ["--max-steps", "2000", "--epochs", "200", "--threads", "1", "--spares", "1"]
+
+
+def _steps(path) -> int:
+    try:
+        return sum(1 for line in open(path) if json.loads(line).get("kind") == "step")
+    except (OSError, ValueError):
+        return 0
+
+
+def _drain(port, rank, token, timeout=120):
+    return subprocess.run([RPCMP, "drain", "--master", f"127.0.0.1:{port}", "--rank", str(rank), "--token-file",
+                           str(token), "--timeout", str(timeout)], capture_output=True, text=True, timeout=timeout + 60)
+
+
+@pytest.mark.timeout(420)
+def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp_path):
+    clean = subprocess.run([RPCMP, "run", job_path("mlp"), "--local", "4", *STEPS, "--checkpoint-dir",
+                            str(tmp_path / "clean")], capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    port = free_port()
+    token, wrong = tmp_path / "token", tmp_path / "wrong"
+    token.write_text("s3cret\n")
+    wrong.write_text("guess\n")
+    logs = [open(tmp_path / f"worker{r}.log", "w") for r in (1, 2, 3)]
+    daemons = [subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", str(r), "--token-file",
+                                 str(token)], stdout=logs[r - 1], stderr=subprocess.STDOUT, start_new_session=True)
+               for r in (1, 2, 3)]
+    master = subprocess.Popen([RPCMP, "run", job_path("mlp"), "--workers", "3", "--listen", f"127.0.0.1:{port}",
+                               "--token-file", str(token), *STEPS, "--checkpoint-dir", str(tmp_path / "drained"),
+                               "--metrics", str(tmp_path / "m.jsonl")], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
+    try:
+        deadline = time.monotonic() + 120
+        while _steps(tmp_path / "m.jsonl") < 20:
+            assert master.poll() is None and time.monotonic() < deadline, master.communicate()[0]
+            time.sleep(0.05)
+        stranger = _drain(port, 1, wrong, timeout=5)  # no proof of the token: the master does nothing
+        assert stranger.returncode == 1 and "no answer from the master" in stranger.stdout + stranger.stderr
+        done = _drain(port, 1, token)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "drained worker1: stage 0 moved to worker3" in done.stdout, done.stdout
+        refused = _drain(port, 2, token)  # the spare is taken now
+        assert refused.returncode == 1 and "no spare process is free" in refused.stderr, refused.stdout + refused.stderr
+        out, _ = master.communicate(timeout=240)
+        deadline = time.monotonic() + 60
+        while not all("ended (" in open(tmp_path / f"worker{r}.log").read() for r in (1, 2, 3)):
+            assert time.monotonic() < deadline  # every daemon's job process ends after the master's
+            time.sleep(0.1)
+    finally:
+        if master.poll() is None:
+            master.kill()
+        for d in daemons:
+            d.terminate()
+        for d in daemons:
+            d.wait(30)
+    assert master.returncode == 0, out
+    assert "drained worker1" in out and "steps 2000" in out, out
+    text = open(tmp_path / "worker1.log").read()
+    assert "ended (exit 0)" in text and "worker daemon stopped" in text, text
+    assert "ended (exit 0)" in open(tmp_path / "worker3.log").read()
+    assert_close_f32(load_checkpoint(str(tmp_path / "drained"))["model"], load_checkpoint(str(tmp_path / "clean"))["model"])
