@@ -163,7 +163,7 @@ def _fit_steps(job, world_size):
 def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_uninterrupted_run(tmp_path):
     from helpers import assert_close_f32, run_ranks
     from rpcmp.core.checkpoint import complete_stems, latest_checkpoint, load_checkpoint
-    steps, every = 1500, 100
+    steps, every = 600, 100
     clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
     logs.mkdir()
     common = {"max_steps": steps, "epochs": 100, "checkpoint_every": every}

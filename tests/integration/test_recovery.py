@@ -15,7 +15,7 @@ from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
 BIN = os.path.dirname(sys.executable)
-STEPS = 1500
+STEPS = 600
 
 
 def _torchrun(ckpt_dir, *extra):
