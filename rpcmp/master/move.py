@@ -64,7 +64,7 @@ def move_stage(pipe, index: int, target: str) -> float:
     wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
     rpc.rpc_sync(old.process, owner_move.drop_stage, args=(pipe.pid, index))
     install(pipe, index, new, built)
-    new_optimizer(pipe, old_optims)
+    new_optimizer(pipe, old_optims, {old.process, new.process})
     return time.perf_counter() - start
 
 
@@ -89,15 +89,22 @@ def install(pipe, index: int, place: Place, built) -> None:
     pipe.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in pipe.held().items()}
 
 
-def new_optimizer(pipe, old_optims: dict) -> None:
-    """A DistributedOptimizer over the pipeline's parameter handles as they are now; each process's local
-    optimizer takes the state of the old one there (``old_optims``: by process) and of the stages that
-    came to it (see :func:`rpcmp.owner.move.adopt_optimizer`)."""
+def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:
+    """The pipeline's optimizer after its stages changed place: a new local optimizer on each process in
+    ``changed`` that holds parameters now (it takes the state of the old one there, ``old_optims`` by
+    process, and of the stages that came to it: :func:`rpcmp.owner.move.adopt_optimizer`); every other
+    process keeps its own, which takes what a rollback stashed. Keeping them matters: a DistributedOptimizer
+    of SGD or Adam compiles its local optimizers with TorchScript, and a fresh one runs its first steps
+    slower while they are profiled."""
     if pipe.optimizer is None:
         return
+    holders = {r.owner().name for r in pipe.param_rrefs}
+    keep = [r for r in pipe.optimizer.remote_optimizers if r.owner().name in holders - changed]
     cls, kwargs = pipe.optimizer_spec
-    optimizer = DistributedOptimizer(cls, pipe.param_rrefs, **kwargs)
+    params = [r for r in pipe.param_rrefs if r.owner().name in changed]
+    fresh = DistributedOptimizer(cls, params, **kwargs).remote_optimizers if params else []
     wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name)))
-              for r in optimizer.remote_optimizers])
-    pipe.optimizer = optimizer  # the old one, and its local optimizers on the owners, go with the last reference
-    pipe.param_owners = sorted({r.owner().name for r in pipe.param_rrefs})
+              for r in fresh] + [rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, None))
+                                 for r in keep])
+    pipe.optimizer.remote_optimizers = keep + fresh  # the old local optimizers of `changed` go with their last reference
+    pipe.param_owners = sorted(holders)

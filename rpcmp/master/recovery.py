@@ -115,7 +115,8 @@ class Snapshots:
         owners_lost = sorted({o for o in lost if o in pipe.owners})
         why = self._cannot(owners_lost)
         if why:
-            print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)
+            if owners_lost:  # a stage's own error, a NaN loss: not a loss of a process, nothing to say here
+                print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)
             raise error
         gone, spare = owners_lost[0], self.spares.pop(0)
         current().lost.add(gone)
@@ -145,7 +146,7 @@ class Snapshots:
         t_restore = time.perf_counter() - t_restore
         for k, b in built.items():
             install(pipe, k, pipe.places[k], b)
-        new_optimizer(pipe, old_optims)
+        new_optimizer(pipe, old_optims, {spare})
         kept = self.kept[step]
         if kept["scheduler"] is not None:
             pipe.load_scheduler_state(kept["scheduler"])

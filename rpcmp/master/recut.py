@@ -66,7 +66,7 @@ def recut(pipe, balance: list[int]) -> float:
     wait_all([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(old_pid, k)) for k in built])
     for k, b in built.items():
         install(pipe, k, pipe.places[k], b)
-    new_optimizer(pipe, optims)
+    new_optimizer(pipe, optims, {owners[k] for k in built})
     return time.perf_counter() - start
 
 

@@ -121,6 +121,8 @@ class PipelineEngine:
         if control is not None and not first:
             notes += [self._drain(control, number, rank, nonce) for number, rank, nonce in control.pending()]
         notes = [n for n in notes if n]
+        if notes and self.rebalancer is not None:
+            self.rebalancer.since = None  # stages changed place: measure afresh
         if self.snapshots is not None:
             self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
         return "\n".join(notes) or None

@@ -12,8 +12,10 @@ import time
 import uuid
 
 import pytest
+import torch
 
-from helpers import assert_close_f32, job_path
+from helpers import assert_close_f32, job_path, run_ranks
+from rpcmp.core.served import current
 from rpcmp.core.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -107,3 +109,20 @@ def test_a_second_lost_owner_with_no_spare_left_ends_the_run_naming_why(tmp_path
     assert code == 1, out
     assert out.count("recovered: worker2 was lost") == 1, out
     assert "not recovered in place: no spare process is left" in out and "WorkerLostError" in out, out
+
+
+def _stage_error_with_spares(job, world_size):
+    from rpcmp.train.engine import make_engine
+    engine = make_engine(job, world_size)
+    engine.after_step(0, (0, 0), first=True)  # the first snapshot, as the trainer takes it
+    try:
+        engine.train_step([(torch.randn(8, 4), torch.randn(8, 4))])
+    except Exception as exc:  # noqa: BLE001 - the test looks at what came out
+        return type(exc).__name__, str(exc), sorted(current().lost)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_s_own_error_with_spares_is_said_as_itself_not_recovered():
+    name, text, lost = run_ranks("fragile", 5, _stage_error_with_spares, {"spares": 1}, timeout=90)
+    assert name == "StageError" and "backward exploded" in text and lost == []
