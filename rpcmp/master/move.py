@@ -68,13 +68,13 @@ def move_stage(pipe, index: int, target: str) -> float:
     return time.perf_counter() - start
 
 
-def build_on(pipe, index: int, place: Place, owners: list[str]):
-    """Build stage ``index`` on ``place`` for a pipeline whose stages will be on ``owners``, to be filled
-    with every value it holds (not drawn: ``empty``); its gate waits for the pipeline's next micro-batch.
+def build_on(pipe, index: int, place: Place, owners: list[str], empty: bool = True):
+    """Build stage ``index`` on ``place`` for a pipeline whose stages will be on ``owners``; with ``empty``,
+    to be filled with every value it holds (not drawn); its gate waits for the pipeline's next micro-batch.
     What ``stage.build`` returned."""
     nxt = owners[index + 1] if index + 1 < len(owners) else None
     built = rpc.rpc_sync(place.process, stage.build, args=(pipe.pid, pipe.specs[index], place, nxt, pipe.job.rpc_timeout,
-                                                           {**pipe.build_options, "owners": owners, "empty": True}))
+                                                           {**pipe.build_options, "owners": owners, "empty": empty}))
     raise_failures([built])
     rpc.rpc_sync(place.process, stage.resync, args=(pipe.pid, index, pipe.next_seq))
     return built

@@ -33,11 +33,12 @@ import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
 from ..core.health import unresponsive
+from ..core.checkpoint import CheckpointError, load_checkpoint
 from ..core.served import current
-from ..errors import WorkerLostError
 from ..owner import move as owner_move
 from ..owner import snapshot
-from ..plan.placement import Place
+from ..owner import state as stage_state
+from ..plan.placement import MASTER, Place
 from .move import build_on, install, new_optimizer
 
 __all__ = ["Snapshots", "Recovered"]
@@ -76,6 +77,8 @@ class Snapshots:
             self.snap(step, position)
 
     def snap(self, step: int, position: tuple[int, int]) -> None:
+        if not self.every:
+            return
         start = time.perf_counter()
         self.settle()
         pipe, buddies = self.pipe, self.buddies(self.pipe.owners)
@@ -108,45 +111,73 @@ class Snapshots:
 
     def recover(self, error: BaseException) -> Recovered:
         """Replace the owner whose loss failed a step, or re-raise ``error`` (see [Note: recovery from a lost owner])."""
-        start = time.perf_counter()
-        pipe = self.pipe
+        start, pipe = time.perf_counter(), self.pipe
         lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
         self.spares[:] = [s for s in self.spares if s not in lost]
         owners_lost = sorted({o for o in lost if o in pipe.owners})
-        why = self._cannot(owners_lost)
+        gone = owners_lost[0] if owners_lost else None
+        stages = [k for k, o in enumerate(pipe.owners) if o == gone]
+        buddies = self.buddies(pipe.owners) if self.every else None
+        step = self._whole_snapshot(buddies, stages) if buddies and owners_lost else None
+        ckpt = self._checkpoint() if step is None and len(owners_lost) == 1 and self.spares else None
+        why = self._cannot(owners_lost, step, ckpt)
         if why:
             if owners_lost:  # a stage's own error, a NaN loss: not a loss of a process, nothing to say here
                 print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)
             raise error
-        gone, spare = owners_lost[0], self.spares.pop(0)
+        spare = self.spares.pop(0)
         current().lost.add(gone)
-        buddies = self.buddies(pipe.owners)
-        stages = [k for k, o in enumerate(pipe.owners) if o == gone]
-        held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(pipe.pid, k)) for k in stages}
-        step = held.pop() if len(held) == 1 else None
-        if step is None or step not in self.kept:
-            raise WorkerLostError(f"{error}; not recovered in place: no snapshot of stage(s) {stages} is whole "
-                                  f"(buddies hold steps {sorted(map(str, held))})") from error
         self.taking = []  # copies on the lost process never finish; the others' are done by now
+        if ckpt is None:
+            position, source = self._from_snapshot(gone, spare, stages, step, buddies)
+        else:
+            position, source = self._from_checkpoint(gone, spare, stages, ckpt)
+        names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
+        return Recovered(position, f"recovered: {gone} was lost ({type(error).__name__}: "
+                                   f"{str(error).splitlines()[0][:60]}); stage {names} rebuilt on {spare} from "
+                                   f"{source}; every stage rolled back to step {position[0]}; "
+                                   f"{time.perf_counter() - start:.2f} s")
+
+    def _whole_snapshot(self, buddies: dict[int, str], stages: list[int]) -> int | None:
+        """The step of the snapshot the buddies of the lost ``stages`` hold, if every stage has it."""
+        held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(self.pipe.pid, k)) for k in stages}
+        step = held.pop() if len(held) == 1 else None
+        return step if step in self.kept else None
+
+    def _checkpoint(self) -> dict | None:
+        """The run's last checkpoint, whole in the master's folder (a folder the nodes share), or None."""
+        path = current().status.checkpoint
+        try:
+            return load_checkpoint(path) if path else None
+        except CheckpointError:  # a part only its node has: a folder that is not shared
+            return None
+
+    def _rebuild(self, gone: str, spare: str, stages: list[int], empty: bool) -> dict:
+        """Build the lost ``stages`` on ``spare`` and route every owner to it; what the builds returned."""
+        pipe = self.pipe
         owners = [spare if o == gone else o for o in pipe.owners]
-        # the stages that stay roll back while the lost ones are built on the spare
-        rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None))
-                   for k, o in enumerate(owners) if k not in stages]
         places = {k: Place(spare, pipe.places[k].device) for k in stages}  # the same device on the spare
-        t_build = time.perf_counter()
-        built = {k: build_on(pipe, k, places[k], owners) for k in stages}
-        t_build = time.perf_counter() - t_build
-        old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
+        built = {k: build_on(pipe, k, places[k], owners, empty=empty) for k in stages}
         for k in stages:
             pipe.places[k], pipe.owners[k] = places[k], spare
         wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
         pipe.resync()  # every gate waits for the pipeline's next micro-batch
-        t_restore = time.perf_counter()
-        wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
-        t_restore = time.perf_counter() - t_restore
+        return built
+
+    def _installed(self, built: dict, old_optims: dict, spare: str) -> None:
         for k, b in built.items():
-            install(pipe, k, pipe.places[k], b)
-        new_optimizer(pipe, old_optims, {spare})
+            install(self.pipe, k, self.pipe.places[k], b)
+        new_optimizer(self.pipe, old_optims, {spare})
+
+    def _from_snapshot(self, gone: str, spare: str, stages: list[int], step: int, buddies: dict) -> tuple[tuple, str]:
+        """Source b: the lost stages from their buddies' copies, the others from their own; the same step."""
+        pipe = self.pipe
+        old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
+        rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None))  # while the spare builds
+                   for k, o in enumerate(pipe.owners) if k not in stages]
+        built = self._rebuild(gone, spare, stages, empty=True)
+        wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
+        self._installed(built, old_optims, spare)
         kept = self.kept[step]
         if kept["scheduler"] is not None:
             pipe.load_scheduler_state(kept["scheduler"])
@@ -156,23 +187,37 @@ class Snapshots:
         # spare, so that a next loss is covered as well (the spare's own copies came with its stages).
         after = self.buddies(pipe.owners)
         wait_all([rpc.rpc_async(pipe.owners[k], snapshot.reship, args=(pipe.pid, k, step, after[k]))
-                  for k in range(len(owners)) if buddies[k] == gone and k not in built])
-        took = time.perf_counter() - start
-        names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
-        return Recovered(kept["position"], f"recovered: {gone} was lost ({type(error).__name__}: "
-                                           f"{str(error).splitlines()[0][:60]}); stage {names} "
-                                           f"rebuilt on {spare} from the snapshot of step {step} kept by "
-                                           f"{', '.join(sorted({buddies[k] for k in stages}))}; every stage rolled "
-                                           f"back to step {step}; {took:.2f} s (build {t_build:.2f} s, "
-                                           f"state {t_restore:.2f} s)")
+                  for k in range(len(pipe.owners)) if buddies[k] == gone and k not in built])
+        return kept["position"], f"the snapshot of step {step} kept by {', '.join(sorted({buddies[k] for k in stages}))}"
 
-    def _cannot(self, owners_lost: list[str]) -> str | None:
+    def _from_checkpoint(self, gone: str, spare: str, stages: list[int], ckpt: dict) -> tuple[tuple, str]:
+        """Source c: every stage from the run's last checkpoint (each owner reads its own keys), the spare's
+        generators from what the lost process had then; the data position of the checkpoint."""
+        pipe = self.pipe
+        old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
+        built = self._rebuild(gone, spare, stages, empty=False)  # non-persistent buffers come from the build
+        self._installed(built, old_optims, spare)
+        pipe.load_files(ckpt["files"])
+        saved = (ckpt.get("rng") or {}).get("processes", {})
+        wait_all([rpc.rpc_async(p, stage_state.set_rng_state, args=(saved[gone if p == spare else p],))
+                  for p in sorted(set(pipe.owners) | {MASTER}) if (gone if p == spare else p) in saved])
+        if ckpt.get("scheduler") and pipe.scheduler is not None:
+            pipe.load_scheduler_state(ckpt["scheduler"])
+        if ckpt.get("loss_scale") and pipe.loss_scale:
+            pipe.loss_scale = ckpt["loss_scale"]
+        if self.every:
+            self.kept.clear()  # the snapshots are of other steps now
+            self.snap(ckpt["step"], (ckpt["epoch"], ckpt["next_batch"]))
+        return (ckpt["step"], ckpt["epoch"], ckpt["next_batch"]), f"the checkpoint of step {ckpt['step']} ({ckpt['path']})"
+
+    def _cannot(self, owners_lost: list[str], step: int | None, ckpt: dict | None) -> str | None:
         if not owners_lost:
             return "no owner of a stage is lost"
         if len(owners_lost) > 1:
             return f"{len(owners_lost)} owners are lost ({', '.join(owners_lost)}); a spare replaces one"
         if not self.spares:
             return "no spare process is left (--spares)"
-        if not self.every or not self.kept:
-            return "no snapshot was taken (--snapshot-every N)"
+        if step is None and ckpt is None:
+            return ("no snapshot holds the lost stages (--snapshot-every N) and no checkpoint of this run is whole in "
+                    "the master's folder (--checkpoint-dir on a folder every node shares)")
         return None

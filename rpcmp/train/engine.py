@@ -87,7 +87,7 @@ class PipelineEngine:
         self.spares = list(topology.spares) if topology is not None else []  # free processes, in rank order
         every = job.snapshot_every if job.snapshot_every is not None else 10
         # Spares take over a lost owner's stage, rebuilt from a snapshot (see [Note: recovery from a lost owner]).
-        self.snapshots = Snapshots(pipe, every, self.spares) if self.spares and every and not self.replicated else None
+        self.snapshots = Snapshots(pipe, every, self.spares) if self.spares and not self.replicated else None
         self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
 
     def steps_per_epoch(self, n: int) -> int:
@@ -221,8 +221,10 @@ class PipelineEngine:
                    if self.replicated else "")
                 + f"   micro-batches: {pipe.batch_chunks}, schedule {pipe.schedule}, precision {self.job.precision}")
         if self.snapshots is not None:
+            source = (f"the snapshot its neighbour keeps (every {self.snapshots.every} steps)" if self.snapshots.every
+                      else "the run's last checkpoint (no snapshots: --snapshot-every 0)")
             text += (f"\nspares: {', '.join(self.snapshots.spares)}: one takes over the stages of a lost owner, rebuilt "
-                     f"from the snapshot its neighbour keeps (every {self.snapshots.every} steps)")
+                     f"from {source}")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
             text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
                      f"batch's (Job.batchnorm='batch'); batchnorm='micro' pipelines {pipe.microbatches} micro-batches "

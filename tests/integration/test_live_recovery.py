@@ -96,6 +96,19 @@ def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterru
 
 
 @pytest.mark.timeout(300)
+def test_without_snapshots_the_lost_stage_comes_from_the_last_checkpoint(tmp_path, uninterrupted):
+    at = random.randint(7, 15)
+    print(f"killing worker2 (stage 1) at step {at}")
+    code, out = _run_and_hit(tmp_path / "run", [(at, "worker2", signal.SIGKILL)], "--spares", "1", "--snapshot-every",
+                             "0", "--checkpoint-every", "5")
+    assert code == 0, out
+    assert out.count("recovered: worker2 was lost") == 1 and "rebuilt on worker4 from the checkpoint of step" in out, out
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == STEPS
+    assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
 def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL)], "--local", "4")
     assert code == 1, out
