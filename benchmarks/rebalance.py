@@ -2,10 +2,12 @@
 
     make bench            # or: .venv/bin/python benchmarks/rebalance.py [--steps 40]
 
-The bench MLP as 8 equal blocks on 3 stages (benchmarks/jobs/uneven_mlp.py), three launches
-of ``rpcmp run --local 4``: ``Split([1, 5, 2])`` with ``--rebalance``, the same without, and the
-balance ``rpcmp plan`` calls best for it (``Split(3)``, by parameters: [3, 3, 2]). Figures: the
-median step time of the last 10 steps of each, and the step at which ``--rebalance`` re-cut.
+The bench MLP as 8 equal blocks (benchmarks/jobs/uneven_mlp.py), three launches of ``rpcmp run``
+with one thread per process: the uneven cut with ``--rebalance``, the same without, and the balance
+``rpcmp plan`` calls best for it (by parameters). Figures: the median step time of the last 10 steps
+of each, and the re-cuts. A cut only matters when each stage has a core of its own (with fewer
+cores the processes share them and every cut runs at the speed of the total work): with 4 usable
+cores or more the cuts are [1, 5, 2] and [3, 3, 2] on 3 stages, with fewer [1, 7] and [4, 4] on 2.
 Writes bench-results/rebalance.json.
 """
 from __future__ import annotations
@@ -28,7 +30,9 @@ RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 
 
 def _run(balance: str, steps: int, metrics: str, *extra: str) -> tuple[list[dict], str]:
-    done = subprocess.run([RPCMP, "run", JOB, "--local", "4", "--max-steps", str(steps), "--metrics", metrics, *extra],
+    local = str(balance.count(",") + 2)  # the master and one process per stage
+    done = subprocess.run([RPCMP, "run", JOB, "--local", local, "--threads", "1", "--max-steps", str(steps),
+                           "--metrics", metrics, *extra],
                           capture_output=True, text=True, env={**os.environ, "BALANCE": balance, "COLUMNS": "200"},
                           timeout=1800)
     if done.returncode:
@@ -42,8 +46,10 @@ def _run(balance: str, steps: int, metrics: str, *extra: str) -> tuple[list[dict
 def main(steps: int, out: str) -> None:
     work = os.path.join(ROOT, "bench-results", f"rebalance-{uuid.uuid4().hex[:8]}")
     os.makedirs(work)
-    runs = {"[1, 5, 2] --rebalance": ("1,5,2", ["--rebalance"]), "[1, 5, 2]": ("1,5,2", []),
-            "[3, 3, 2] (best)": ("3,3,2", [])}
+    from rpcmp.launch.runtime import usable_cpus
+    uneven, best = ("1,5,2", "3,3,2") if usable_cpus() >= 4 else ("1,7", "4,4")
+    runs = {f"[{uneven}] --rebalance": (uneven, ["--rebalance"]), f"[{uneven}]": (uneven, []),
+            f"[{best}] (best)": (best, [])}
     result, table = {}, Table(title=f"re-cut while training: median step time of steps {steps - 9}-{steps}")
     for col in ("run", "median step s", "vs best", "re-cuts"):
         table.add_column(col, justify="right")
@@ -51,7 +57,7 @@ def main(steps: int, out: str) -> None:
         steps_, log = _run(balance, steps, os.path.join(work, f"{balance}{''.join(extra)}.jsonl"), *extra)
         cuts = re.findall(r"re-cut after step \d+: balance \[[\d, ]+\] -> \[[\d, ]+\]", log)
         result[name] = {"median_step_s": statistics.median(r["step_s"] for r in steps_[-10:]), "re_cuts": cuts}
-    best = result["[3, 3, 2] (best)"]["median_step_s"]
+    best = result[f"[{best}] (best)"]["median_step_s"]
     for name, r in result.items():
         r["vs_best"] = r["median_step_s"] / best
         table.add_row(name, f"{r['median_step_s']:.3f}", f"{r['vs_best']:.2f}x", "; ".join(r["re_cuts"]) or "-")
