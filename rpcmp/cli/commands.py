@@ -181,15 +181,28 @@ def export(checkpoint, out):
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the master's answer.")
 def drain(master, rank, token_file, timeout):
     """Move the stages of RANK to spares while the job trains, and let its daemon finish (a node to reboot)."""
+    _control(master, rank, token_file, timeout, "drain")
+
+
+def _control(master: str, rank: int, token_file, timeout: float, action: str) -> None:
     from ..launch.daemon import read_token
     from ..launch.drain import request_drain
     try:
-        ok, message = request_drain(master, rank, read_token(None, token_file), timeout)
+        ok, message = request_drain(master, rank, read_token(None, token_file), timeout, action)
     except RpcmpError as exc:
         report(exc)
         sys.exit(2)
     Console(stderr=not ok).print(escape(message))
     sys.exit(0 if ok else 1)
+
+
+@main.command()
+@click.option("--master", required=True, help="HOST:PORT of the job's master (`rpcmp run --workers N --listen HOST:PORT`).")
+@click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="The shared job token (or env RPCMP_TOKEN).")
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the master's answer.")
+def rebalance(master, token_file, timeout):
+    """Measure the stages of a running daemon job once and re-cut it if that pays (a Split pipeline)."""
+    _control(master, 0, token_file, timeout, "rebalance")
 
 
 @main.command()

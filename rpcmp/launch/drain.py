@@ -9,6 +9,9 @@ stage of rank R to a spare (``Pipeline.move_stage``: the same math), lets R's pr
 the run (its daemon then says "ended (exit 0)" and waits for the next job, so the node can be
 rebooted) and answers with a MAC over its message, which ``rpcmp drain`` checks before it
 believes it. Without a free spare the master refuses and the job goes on as it was.
+``rpcmp rebalance --master HOST:PORT --token-file T`` travels the same way (the action is under the
+MAC): the master measures its stages over the next steps once, as ``--rebalance`` does, re-cuts if
+it pays, and answers with what it decided.
 """
 from __future__ import annotations
 
@@ -18,13 +21,14 @@ import time
 
 from .daemon import _KEY, _mac, _read, _same
 
-__all__ = ["DrainRequests", "request_drain"]
+__all__ = ["DrainRequests", "request_drain", "ACTIONS"]
 
 _COUNT = "rpcmp/drains"
+ACTIONS = ("drain", "rebalance")
 
 
-def _request_mac(token: str, job_id: str, rank: int, nonce: str) -> str:
-    return _mac(token, "rpcmp-drain/1", job_id, str(rank), nonce)
+def _request_mac(token: str, job_id: str, action: str, rank: int, nonce: str) -> str:
+    return _mac(token, "rpcmp-control/1", job_id, action, str(rank), nonce)
 
 
 def _answer_mac(token: str, job_id: str, nonce: str, ok: bool, message: str) -> str:
@@ -38,8 +42,8 @@ class DrainRequests:
         self.store, self.token, self.job_id = store, token, job_id
         self.seen, self.nonces = 0, set()
 
-    def pending(self) -> list[tuple[int, int, str]]:
-        """(request number, rank, nonce) of each new request that proves the token."""
+    def pending(self) -> list[tuple[int, str, int, str]]:
+        """(request number, action, rank, nonce) of each new request that proves the token."""
         out = []
         while self.seen < self.store.add(_COUNT, 0):
             raw = _read(self.store, f"rpcmp/drain/{self.seen + 1}")
@@ -48,13 +52,14 @@ class DrainRequests:
             self.seen += 1
             try:
                 req = json.loads(raw)
-                rank, nonce, mac = int(req["rank"]), str(req["nonce"]), str(req["mac"])
+                action, rank, nonce, mac = str(req["action"]), int(req["rank"]), str(req["nonce"]), str(req["mac"])
             except (ValueError, KeyError, TypeError):
                 continue  # not a request: ignored
-            if nonce in self.nonces or not _same(mac, _request_mac(self.token, self.job_id, rank, nonce)):
+            if (action not in ACTIONS or nonce in self.nonces
+                    or not _same(mac, _request_mac(self.token, self.job_id, action, rank, nonce))):
                 continue  # a replay, or no proof of the token: nothing happens
             self.nonces.add(nonce)
-            out.append((self.seen, rank, nonce))
+            out.append((self.seen, action, rank, nonce))
         return out
 
     def answer(self, number: int, nonce: str, ok: bool, message: str) -> None:
@@ -62,8 +67,9 @@ class DrainRequests:
             {"ok": ok, "message": message, "mac": _answer_mac(self.token, self.job_id, nonce, ok, message)}))
 
 
-def request_drain(master: str, rank: int, token: str, timeout: float = 300.0) -> tuple[bool, str]:
-    """Ask the master of the job at ``master`` (HOST:PORT) to drain ``rank``; (done, the master's message)."""
+def request_drain(master: str, rank: int, token: str, timeout: float = 300.0, action: str = "drain") -> tuple[bool, str]:
+    """Ask the master of the job at ``master`` (HOST:PORT) to drain ``rank`` (or, ``action="rebalance"``, to
+    measure its stages once and re-cut if it pays); (done, the master's message)."""
     import torch.distributed as dist
     from datetime import timedelta
     host, _, port = master.rpartition(":")
@@ -71,8 +77,8 @@ def request_drain(master: str, rank: int, token: str, timeout: float = 300.0) ->
     offer = json.loads(store.get(_KEY))
     job_id, nonce = offer["id"], secrets.token_hex(16)
     number = store.add(_COUNT, 1)
-    store.set(f"rpcmp/drain/{number}", json.dumps({"rank": rank, "nonce": nonce,
-                                                  "mac": _request_mac(token, job_id, rank, nonce)}))
+    store.set(f"rpcmp/drain/{number}", json.dumps({"action": action, "rank": rank, "nonce": nonce,
+                                                  "mac": _request_mac(token, job_id, action, rank, nonce)}))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         raw = _read(store, f"rpcmp/drained/{number}")

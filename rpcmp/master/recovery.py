@@ -118,7 +118,7 @@ class Snapshots:
         gone = owners_lost[0] if owners_lost else None
         stages = [k for k, o in enumerate(pipe.owners) if o == gone]
         buddies = self.buddies(pipe.owners) if self.every else None
-        step = self._whole_snapshot(buddies, stages) if buddies and owners_lost else None
+        step = self._whole_snapshot(buddies, stages) if buddies and len(owners_lost) == 1 and self.spares else None
         ckpt = self._checkpoint() if step is None and len(owners_lost) == 1 and self.spares else None
         why = self._cannot(owners_lost, step, ckpt)
         if why:
@@ -140,7 +140,10 @@ class Snapshots:
 
     def _whole_snapshot(self, buddies: dict[int, str], stages: list[int]) -> int | None:
         """The step of the snapshot the buddies of the lost ``stages`` hold, if every stage has it."""
-        held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(self.pipe.pid, k)) for k in stages}
+        try:
+            held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(self.pipe.pid, k), timeout=10) for k in stages}
+        except Exception:  # noqa: BLE001 - a buddy that does not answer holds nothing we can use
+            return None
         step = held.pop() if len(held) == 1 else None
         return step if step in self.kept else None
 

@@ -88,6 +88,7 @@ class Rebalancer:
         self.weights = [max(1, sum(p.numel() for p in layer.parameters())) for layer in seq]
         self.had = {self.balance}
         self.since: tuple[int, list[dict]] | None = None
+        self.decided: str | None = None  # what the last window decided
 
     @property
     def balance(self) -> tuple[int, ...]:
@@ -106,12 +107,15 @@ class Rebalancer:
         self.since = None
         balance, now, then = self.propose(busy)
         if balance is None:
+            self.decided = (f"kept balance {list(self.balance)} after step {step}: no cut it has not had predicts the "
+                            f"slowest stage {self.gain:.0%} faster ({now:.3f} s of work per window)")
             return None
         before = self.balance
         took = recut(self.pipe, list(balance))
         self.had.add(balance)
-        return (f"re-cut after step {step}: balance {list(before)} -> {list(balance)} (slowest stage predicted {then:.3f} s of work per "
-                f"window instead of {now:.3f} s) in {took:.2f} s")
+        self.decided = (f"re-cut after step {step}: balance {list(before)} -> {list(balance)} (slowest stage predicted "
+                        f"{then:.3f} s of work per window instead of {now:.3f} s) in {took:.2f} s")
+        return self.decided
 
     def propose(self, busy: list[float]) -> tuple[tuple[int, ...] | None, float, float]:
         """The balance to re-cut to (None: keep this one), the slowest stage's busy time now and predicted."""

@@ -116,6 +116,7 @@ def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int
 def rekey(old_pid: int, pid: int, index: int) -> None:
     """A stage that a re-cut leaves as it is joins the re-cut pipeline ``pid`` unchanged (no copy)."""
     hosts = current().hosts
+    current().snapshots.pop((old_pid, index), None)  # of the pipeline before the re-cut: a new one is taken
     host = hosts.pop((old_pid, index))
     host.pid = pid
     hosts[(pid, index)] = host
@@ -143,7 +144,9 @@ def leave_soon(code: int = 0) -> None:
 
 def drop_stage(pid: int, index: int) -> None:
     """The old owner lets its copy of the stage go (the old optimizer's reference goes with the master's)."""
-    host = current().hosts.pop((pid, index), None)
+    served = current()
+    host = served.hosts.pop((pid, index), None)
+    served.snapshots.pop((pid, index), None)
     if host is not None:
         host.compute.shutdown(wait=False)
 

@@ -390,6 +390,9 @@ def _cpu_seconds() -> float:
 
 
 def release(pid: int) -> None:
-    hosts = current().hosts
-    for key in [k for k in hosts if k[0] == pid]:
-        hosts.pop(key).compute.shutdown(wait=False)
+    served = current()
+    for key in [k for k in served.hosts if k[0] == pid]:
+        served.hosts.pop(key).compute.shutdown(wait=False)
+    for kept in (served.snapshots, served.buddy_snapshots):  # rpcmp/owner/snapshot.py
+        for key in [k for k in kept if k[0] == pid]:
+            del kept[key]

@@ -20,6 +20,7 @@ from ..owner import move as owner_move
 from ..plan.placement import process_name
 from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
+from ..plan.partition import Split
 from ..plan.topology import Topology
 from ..core.served import RunStatus, current
 
@@ -89,6 +90,7 @@ class PipelineEngine:
         # Spares take over a lost owner's stage, rebuilt from a snapshot (see [Note: recovery from a lost owner]).
         self.snapshots = Snapshots(pipe, every, self.spares) if self.spares and not self.replicated else None
         self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
+        self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
     def steps_per_epoch(self, n: int) -> int:
         return n // self.job.batch_size // self.job.accumulate
@@ -119,7 +121,9 @@ class PipelineEngine:
         notes = [self.rebalancer.after_step(step)] if self.rebalancer is not None and not first else []
         control = current().control
         if control is not None and not first:
-            notes += [self._drain(control, number, rank, nonce) for number, rank, nonce in control.pending()]
+            notes += [self._drain(control, number, rank, nonce) if action == "drain" else self._measure(control, number, nonce)
+                      for number, action, rank, nonce in control.pending()]
+            notes.append(self._once(control, step))
         notes = [n for n in notes if n]
         if notes and self.rebalancer is not None:
             self.rebalancer.since = None  # stages changed place: measure afresh
@@ -127,15 +131,37 @@ class PipelineEngine:
             self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
         return "\n".join(notes) or None
 
+    def _measure(self, control, number: int, nonce: str) -> str | None:
+        """``rpcmp rebalance``: measure once from the next step on and re-cut if it pays (answered by :meth:`_once`)."""
+        if not isinstance(self.job.stages, Split) or self.replicated:
+            control.answer(number, nonce, False, "not re-cut: only a Split pipeline without replicas can be re-cut")
+            return None
+        self.oneoff = (Rebalancer(self.pipe, warmup=0), number, nonce)
+        return None
+
+    def _once(self, control, step: int) -> str | None:
+        if self.oneoff is None:
+            return None
+        rebalancer, number, nonce = self.oneoff
+        note = rebalancer.after_step(step)
+        if rebalancer.decided is not None:
+            control.answer(number, nonce, True, rebalancer.decided)
+            self.oneoff = None
+        return note
+
     def _drain(self, control, number: int, rank: int, nonce: str) -> str:
         """Move every stage of ``rank`` to a spare and let the process go (see [Note: draining a rank])."""
         pipe, name = self.pipe, process_name(rank)
         held = [k for k, o in enumerate(pipe.owners) if o == name]
-        why = ("the master cannot be drained" if rank == 0 else "a pipeline with replicas cannot move stages yet"
-               if self.replicated else None if name in self.spares or not held else
-               None if self.spares else "no spare process is free to take its stages (--spares)")
-        if name not in self.spares and not held and why is None:
-            why = f"{name} is not a process of this job"
+        why = None
+        if rank == 0:
+            why = "the master cannot be drained"
+        elif self.replicated:
+            why = "a pipeline with replicas cannot move stages yet"
+        elif name not in self.spares and not held:
+            why = f"{name} is not a process of this job (or has left it)"
+        elif held and not self.spares:
+            why = "no spare process is free to take its stages (--spares)"
         if why is not None:
             control.answer(number, nonce, False, f"{name} not drained: {why}")
             return f"drain of {name} refused: {why}"

@@ -1,6 +1,7 @@
 """Draining a rank of a daemon job while it trains: `rpcmp drain` moves its stage to the spare, its
 daemon finishes the job (exit 0) and waits for the next, and the model is an undisturbed run's. A
-request without the token is ignored; a drain with no spare left is refused, the job going on."""
+request without the token is ignored; a drain with no spare left is refused, the job going on.
+`rpcmp rebalance` on the same job measures once and says what it decided."""
 import json
 import os
 import subprocess
@@ -30,6 +31,11 @@ def _drain(port, rank, token, timeout=120):
                            str(token), "--timeout", str(timeout)], capture_output=True, text=True, timeout=timeout + 60)
 
 
+def _rebalance(port, token, timeout=120):
+    return subprocess.run([RPCMP, "rebalance", "--master", f"127.0.0.1:{port}", "--token-file", str(token), "--timeout",
+                           str(timeout)], capture_output=True, text=True, timeout=timeout + 60)
+
+
 @pytest.mark.timeout(420)
 def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp_path):
     clean = subprocess.run([RPCMP, "run", job_path("mlp"), "--local", "4", *STEPS, "--checkpoint-dir",
@@ -54,6 +60,9 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
             time.sleep(0.05)
         stranger = _drain(port, 1, wrong, timeout=3)  # no proof of the token: the master does nothing
         assert stranger.returncode == 1 and "no answer from the master" in stranger.stdout + stranger.stderr
+        once = _rebalance(port, token)  # measured once over the next steps; re-cut only if it pays
+        assert once.returncode == 0, once.stdout + once.stderr
+        assert "re-cut after step" in once.stdout or "kept balance [3, 4]" in once.stdout, once.stdout
         done = _drain(port, 1, token)
         assert done.returncode == 0, done.stdout + done.stderr
         assert "drained worker1: stage 0 moved to worker3" in done.stdout, done.stdout
