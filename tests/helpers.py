@@ -61,3 +61,12 @@ def train_reference(model: nn.Module, optimizer: tuple, loss_fn, data) -> tuple[
         opt.step()
         losses.append(loss.item())
     return losses, model.state_dict()
+
+
+def metric_steps(path) -> int:
+    """How many step records a run's metrics file (``--metrics``) holds so far."""
+    import json
+    try:
+        return sum(1 for line in open(path) if json.loads(line).get("kind") == "step")
+    except (OSError, ValueError):  # not written yet, or a line being written
+        return 0

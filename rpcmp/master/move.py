@@ -86,7 +86,7 @@ def install(pipe, index: int, place: Place, built) -> None:
     pipe.stage_rrefs[index] = refs
     pipe.param_rrefs = [r for stage_refs in pipe.stage_rrefs for r in stage_refs]
     pipe.stages[index] = RemoteModule.init_from_module_rref(str(place), module)
-    pipe.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in pipe.held().items()}
+    pipe.label_stages()
 
 
 def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:

@@ -110,7 +110,7 @@ class Pipeline(PipelineState):
         served = current()
         self.pid, self._seq = served.next_pipeline_id(), 0
         self.status = status or served.status  # what failure messages say the run was doing
-        self.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self.held().items()}
+        self.label_stages()
         futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
         options["owners"], options["deliver"] = list(self.owners), inbox.deliver
         self.build_options = options  # what a stage built later is built with (rpcmp.master.move)

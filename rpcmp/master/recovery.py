@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.rpc as rpc
@@ -41,15 +40,16 @@ from ..owner import state as stage_state
 from ..plan.placement import MASTER, Place
 from .move import build_on, install, new_optimizer
 
-__all__ = ["Snapshots", "Recovered"]
+__all__ = ["Snapshots", "RolledBack"]
 
 
-@dataclass
-class Recovered:
-    """What a recovery did: the trainer rolls back to ``position`` = (step, epoch, next batch)."""
+class RolledBack(Exception):
+    """A lost owner was replaced in place and every stage rolled back: the trainer goes on from
+    ``position`` = (step, epoch, next batch) and says ``line``."""
 
-    position: tuple[int, int, int]
-    line: str
+    def __init__(self, position: tuple[int, int, int], line: str):
+        super().__init__(line)
+        self.position, self.line = position, line
 
 
 class Snapshots:
@@ -59,7 +59,6 @@ class Snapshots:
         self.pipe, self.every, self.spares = pipe, every, spares  # the engine's list: a drain takes from it too
         self.taking: list = []  # the owners copying their stages: waited for before the next step
         self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
-        self.seconds = 0.0  # the master's time spent on snapshots (waiting for the copies included)
         self.taking_step: int | None = None
 
     def buddies(self, owners: list[str]) -> dict[int, str] | None:
@@ -79,7 +78,6 @@ class Snapshots:
     def snap(self, step: int, position: tuple[int, int]) -> None:
         if not self.every:
             return
-        start = time.perf_counter()
         self.settle()
         pipe, buddies = self.pipe, self.buddies(self.pipe.owners)
         if buddies is None or pipe.optimizer is None:
@@ -96,20 +94,17 @@ class Snapshots:
                            "scheduler": pipe.scheduler_state() if pipe.scheduler is not None else None}
         for old in sorted(self.kept)[:-3]:
             del self.kept[old]
-        self.seconds += time.perf_counter() - start
 
     def settle(self) -> None:
         """Wait until the owners have copied their stages (before any optimizer step may change them)."""
-        start = time.perf_counter()
         taking, self.taking = self.taking, []
         for fut in taking:
             try:
                 fut.wait()
             except Exception:  # noqa: BLE001 - a snapshot an owner could not take is no snapshot; the loss
                 self.kept.pop(self.taking_step, None)  # shows at the next step, which recovers from the one before
-        self.seconds += time.perf_counter() - start
 
-    def recover(self, error: BaseException) -> Recovered:
+    def recover(self, error: BaseException) -> RolledBack:
         """Replace the owner whose loss failed a step, or re-raise ``error`` (see [Note: recovery from a lost owner])."""
         start, pipe = time.perf_counter(), self.pipe
         lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
@@ -133,7 +128,7 @@ class Snapshots:
         else:
             position, source = self._from_checkpoint(gone, spare, stages, ckpt)
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
-        return Recovered(position, f"recovered: {gone} was lost ({type(error).__name__}: "
+        return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
                                    f"{str(error).splitlines()[0][:60]}); stage {names} rebuilt on {spare} from "
                                    f"{source}; every stage rolled back to step {position[0]}; "
                                    f"{time.perf_counter() - start:.2f} s")

@@ -79,6 +79,10 @@ class PipelineState:
         return [{"file": os.path.basename(path), "stage": i, "owner": str(p)}
                 for i, (path, p) in enumerate(zip(paths, self.places))]
 
+    def label_stages(self) -> None:
+        """What failure messages say each process holds (``status.stages``), from where the stages are now."""
+        self.status.stages = {o: [f"stage {s.index} {s.name}" for s in held] for o, held in self.held().items()}
+
     def remove_incomplete(self, directory: str) -> list[tuple[str, int]]:
         """Remove what an interrupted save left in ``directory`` here and on every owner's node (see
         [Note: what a killed save leaves] in rpcmp/core/checkpoint.py); (name, bytes) of each file."""

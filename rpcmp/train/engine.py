@@ -15,7 +15,7 @@ from ..core.checkpoint import latest_checkpoint, load_checkpoint
 from ..data import data_loader, epoch_batches, step_groups
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
-from ..master.recovery import Snapshots
+from ..master.recovery import RolledBack, Snapshots
 from ..owner import move as owner_move
 from ..plan.placement import process_name
 from ..master.recut import Rebalancer
@@ -25,15 +25,6 @@ from ..plan.topology import Topology
 from ..core.served import RunStatus, current
 
 __all__ = ["Engine", "PipelineEngine", "make_engine", "evaluate", "RolledBack"]
-
-
-class RolledBack(Exception):
-    """A lost owner was replaced in place and every stage rolled back (rpcmp/master/recovery.py): the
-    trainer goes on from ``position`` = (step, epoch, next batch) and says ``line``."""
-
-    def __init__(self, position: tuple[int, int, int], line: str):
-        super().__init__(line)
-        self.position, self.line = position, line
 
 
 class Engine(Protocol):
@@ -110,8 +101,7 @@ class PipelineEngine:
             self.snapshots.settle()  # the owners' copies of the last snapshot are made: the step may change them
             loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
         except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
-            back = self.snapshots.recover(exc)
-            raise RolledBack(back.position, back.line) from exc
+            raise self.snapshots.recover(exc) from exc  # a RolledBack, or exc itself
         return loss.item(), batch_size(x)
 
     def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None:

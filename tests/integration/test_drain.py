@@ -2,7 +2,6 @@
 daemon finishes the job (exit 0) and waits for the next, and the model is an undisturbed run's. A
 request without the token is ignored; a drain with no spare left is refused, the job going on.
 `rpcmp rebalance` on the same job measures once and says what it decided."""
-import json
 import os
 import subprocess
 import sys
@@ -10,20 +9,13 @@ import time
 
 import pytest
 
-from helpers import assert_close_f32, job_path
+from helpers import assert_close_f32, job_path, metric_steps
 from rpcmp.core.checkpoint import load_checkpoint
 from test_daemons import free_port
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 STEPS = ["--max-steps", "1200", "--epochs", "200", "--threads", "1", "--spares", "1"]
-
-
-def _steps(path) -> int:
-    try:
-        return sum(1 for line in open(path) if json.loads(line).get("kind") == "step")
-    except (OSError, ValueError):
-        return 0
 
 
 def _drain(port, rank, token, timeout=120):
@@ -55,7 +47,7 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
     try:
         deadline = time.monotonic() + 120
-        while _steps(tmp_path / "m.jsonl") < 20:
+        while metric_steps(tmp_path / "m.jsonl") < 20:
             assert master.poll() is None and time.monotonic() < deadline, master.communicate()[0]
             time.sleep(0.05)
         stranger = _drain(port, 1, wrong, timeout=3)  # no proof of the token: the master does nothing

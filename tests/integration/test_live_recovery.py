@@ -2,7 +2,6 @@
 stopped (SIGSTOP past ``--hang-timeout``) from outside at a random step, by the test, not by
 rpcmp; the run ends exit 0, says one recovery line, and its model equals an uninterrupted
 run's. Without a spare, or when a second owner is lost, the run ends as it always did."""
-import json
 import os
 import random
 import signal
@@ -14,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from helpers import assert_close_f32, job_path, run_ranks
+from helpers import assert_close_f32, job_path, metric_steps, run_ranks
 from rpcmp.core.served import current
 from rpcmp.core.checkpoint import load_checkpoint
 
@@ -26,13 +25,6 @@ STEPS = 200
 def _command(folder, *extra):
     return [RPCMP, "run", job_path("three"), "--local", "5", "--max-steps", str(STEPS), "--checkpoint-dir",
             str(folder), "--metrics", str(folder) + ".jsonl", *extra]
-
-
-def _steps_done(metrics: str) -> int:
-    try:
-        return sum(1 for line in open(metrics) if json.loads(line).get("kind") == "step")
-    except (OSError, ValueError):
-        return 0
 
 
 def _process(tag: str, name: str) -> int | None:
@@ -55,7 +47,7 @@ def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, ti
     try:
         for at, name, sig in hits:
             deadline = time.monotonic() + 120
-            while _steps_done(str(folder) + ".jsonl") < at:
+            while metric_steps(str(folder) + ".jsonl") < at:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
                 time.sleep(0.002)
             pid = _process(tag, name)
