@@ -67,7 +67,7 @@ def next_char_accuracy(logits, targets):
 
 job = rpcmp.Job(
     model=TinyLlama,
-    stages=rpcmp.SplitAt("m.model.layers.2", "m.model.layers.4"),
+    stages=rpcmp.SplitAt("m.model.layers.2", "m.model.layers.4", lengths="any"),
     data=datasets,
     loss=lm_loss,
     metric=next_char_accuracy,

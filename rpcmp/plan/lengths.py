@@ -9,8 +9,11 @@ positional table added whole). Sizes derived from it travel between stages as th
 size's do. The plan runs the stages once more on fake tensors one token longer (no computation)
 to learn which input dimensions are fixed (:func:`input_sizes`, shown by ``rpcmp plan``), and
 the master refuses an input of another size there before any stage runs it (:func:`check_sizes`),
-saying what the model fixes. ``torch.distributed.pipelining`` needs
-static shapes; an RPC pipeline does not.
+saying what the model fixes. A job whose batches will differ in length says so,
+``SplitAt(..., lengths="any")``, and a model that fixes the length is then refused at plan time
+(:func:`require_any_length`), naming the line of ``forward`` that fixes it: found by running the
+unsplit model on the meta device one token longer, which costs no computation and no memory.
+``torch.distributed.pipelining`` needs static shapes; an RPC pipeline does not.
 """
 from __future__ import annotations
 
@@ -19,17 +22,27 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..errors import MicroBatchError
+from ..errors import MicroBatchError, PartitionError
 from .traced import run_stages, stage_module
 
-__all__ = ["input_sizes", "check_sizes", "describe_sizes"]
+__all__ = ["input_sizes", "check_sizes", "describe_sizes", "require_any_length"]
 
 
 def input_sizes(pipe, example: Any) -> tuple[tuple[int | None, ...], ...]:
     """For each tensor of the traced model's input ``example``, in order: every dimension's size
     where the stages take no other, None where they take any (see [Note: any sequence length]).
     Dimension 1 is tried one longer on fake tensors (no computation); the rest is as traced."""
+    import logging
     from torch._subclasses.fake_tensor import FakeTensorMode
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs the expected failure as an error
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        return _sizes(pipe, example, FakeTensorMode)
+    finally:
+        quiet.setLevel(level)
+
+
+def _sizes(pipe, example: Any, FakeTensorMode) -> tuple:
     leaves, spec = pytree.tree_flatten(example)
     out = []
     for k, t in enumerate(leaves):
@@ -76,3 +89,32 @@ def describe_sizes(sizes: tuple, example: tuple) -> str:
         dims = ["batch" if d == 0 else ("any" if size is None else f"{size} (fixed)") for d, size in enumerate(fixed)]
         parts.append(f"({', '.join(dims)}) {dtype}")
     return "; ".join(parts) + " (any: a batch may have another size there than the traced sample)"
+
+
+def require_any_length(model, example: Any, sizes: tuple) -> None:
+    """``SplitAt(..., lengths="any")``: refuse a model whose stages fix dimension 1 of an input,
+    naming the line of its ``forward`` that does (see [Note: any sequence length])."""
+    leaves, spec = pytree.tree_flatten(example)
+    for k, (fixed, t) in enumerate(zip(sizes, leaves)):
+        if len(fixed) < 2 or fixed[1] is None:
+            continue
+        longer = [torch.cat([x, x[:, :1]], 1) if i == k else x for i, x in enumerate(leaves)]
+        raise PartitionError(
+            f"SplitAt(..., lengths='any'): batches will differ in length, but {type(model).__name__}.forward takes "
+            f"input {k} {tuple(t.shape)} with exactly {fixed[1]} in dimension 1: {_where(model, pytree.tree_unflatten(longer, spec))}. "
+            f"Make forward take any length (slice a positional table or mask to the input's length, "
+            f"e.g. self.pos[:x.size(1)]), or leave out lengths='any' to train on batches of {fixed[1]} only")
+
+
+def _where(model, longer: Any) -> str:
+    """The line of the unsplit model's code that fails on an input one longer (meta tensors)."""
+    import traceback
+    try:
+        model(longer)  # as the trace calls it: one micro-batch, one argument
+    except Exception as exc:  # noqa: BLE001 - the failure is what we report
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/torch/" not in f.filename
+                  and not f.filename.endswith(__file__.rsplit("/", 1)[-1])]
+        at = f"{frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}` " if frames else ""
+        return f"{at}fails one longer ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})"
+    return ("the unsplit model takes one longer, so the trace made it a constant "
+            "(a Python branch or loop on the length, e.g. `if x.size(1) > n`)")

@@ -33,7 +33,7 @@ from ..core.served import current
 from .graphs import forget_trace, place_graph
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      stage_module, trace_split)
-from .lengths import input_sizes
+from .lengths import input_sizes, require_any_length
 from ..errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "build_empty", "declaration_kind", "has_batchnorm"]
@@ -294,11 +294,13 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
     evaluated = trace_split(meta_model(job).eval(), job.stages, example)  # see [Note: a traced stage in eval mode]
     check_same_cut(pipe, evaluated)
     check_any_batch_size(evaluated, example)
+    sizes = input_sizes(pipe, example)
+    if job.stages.lengths == "any":
+        require_any_length(meta_model(job), example, sizes)
     bn = has_batchnorm(model)
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
-                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i],
-                      sizes=input_sizes(pipe, example))
+                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i], sizes=sizes)
             for i in range(pipe.num_stages)]
 
 

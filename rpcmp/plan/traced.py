@@ -61,15 +61,24 @@ __all__ = ["SplitAt", "trace_split", "stage_module", "graph_copy", "attach_eval"
 @dataclass(frozen=True)
 class SplitAt:
     """Cut the traced model before each named submodule (qualified names: ``"encoder.layer3"``);
-    with no names, at the ``torch.distributed.pipelining.pipe_split()`` calls in ``forward``."""
+    with no names, at the ``torch.distributed.pipelining.pipe_split()`` calls in ``forward``.
+
+    ``lengths="any"`` says that batches will differ in dimension 1 (tokens, time): the plan then
+    refuses, naming the line of ``forward`` that fixes it, a model that cannot take that (see
+    [Note: any sequence length]). Without it such a model is traced for the length it was given."""
 
     points: tuple[str, ...] = ()
+    lengths: str | None = None
 
-    def __init__(self, *points: str):
+    def __init__(self, *points: str, lengths: str | None = None):
         bad = [p for p in points if not isinstance(p, str) or not p]
         if bad:
             raise PartitionError(f"SplitAt takes submodule names, e.g. SplitAt('layer2', 'layer4'), got {bad!r}")
+        if lengths not in (None, "any"):
+            raise PartitionError(f"SplitAt(lengths=...) takes 'any' (batches differ in dimension 1) or None "
+                                 f"(the traced length), got {lengths!r}")
         object.__setattr__(self, "points", tuple(points))
+        object.__setattr__(self, "lengths", lengths)
 
     @property
     def count(self) -> int:

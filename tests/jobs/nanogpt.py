@@ -52,6 +52,6 @@ def data():
     return TensorDataset(tokens[:, :-1], tokens[:, 1:]), None
 
 
-job = rpcmp.Job(model=GPT, stages=rpcmp.SplitAt("blocks.1", "blocks.3"), data=data, batch_size=8, microbatches=4,
+job = rpcmp.Job(model=GPT, stages=rpcmp.SplitAt("blocks.1", "blocks.3", lengths="any"), data=data, batch_size=8, microbatches=4,
                 loss=lm_loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}),
                 hang_timeout=60)  # tracing a stage under load: see the note in tests/integration/test_language_models.py

@@ -2,6 +2,7 @@
 (parameters, buffers, non-persistent buffers, constants) by name against the unsplit model, the
 graphs placed on the owner's device, shared and unused parameters, and which input sizes may
 change. No processes: the stages are built here as their owners build them."""
+import dataclasses
 import os
 import subprocess
 import sys
@@ -219,3 +220,20 @@ def test_a_hugging_face_cache_is_refused_with_the_setting_to_change():
     job = rpcmp.Job(model=_CachedGPT2, stages=rpcmp.SplitAt("m.transformer.h.1"))
     with pytest.raises(rpcmp.PartitionError, match=r"lifted_tensor.*self.m has config.use_cache=True.*use_cache=False"):
         plan_stages(job, torch.zeros(4, 16, dtype=torch.long))
+
+
+def test_lengths_any_refuses_a_model_that_fixes_the_length_at_plan_time_naming_the_line():
+    job = rpcmp.Job(model=_FixedLength, stages=rpcmp.SplitAt("blocks.1", lengths="any"))
+    with pytest.raises(rpcmp.PartitionError, match=r"lengths='any'.*_FixedLength.forward takes input 0 \(4, 16\) with "
+                                                   r"exactly 16 in dimension 1: .*test_language_model_stages.py:\d+ "
+                                                   r"`x = self.embed\(idx\) \+ self.pos` fails one longer.*self.pos\[:x.size\(1\)\]"):
+        plan_stages(job, torch.zeros(4, 16, dtype=torch.long))
+    with pytest.raises(rpcmp.PartitionError, match="takes 'any'"):
+        rpcmp.SplitAt("blocks.1", lengths="variable")
+
+
+@pytest.mark.parametrize("name", ["hf_llama", "nanogpt"])
+def test_lengths_any_accepts_a_model_that_takes_any_length(name):
+    job = load(name)
+    job = dataclasses.replace(job, stages=rpcmp.SplitAt(*job.stages.points, lengths="any"))
+    assert all(spec.sizes[0] == (None, None) for spec in _plan(job))
