@@ -28,7 +28,8 @@ import torch.utils._pytree as pytree
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
 from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
-                          meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
+                          meta_model, place_unused, read_constant, set_constant, set_tensor, shared_params,
+                          tensor_names, tensor_table)
 from ..core.served import current
 from .graphs import forget_trace, place_graph
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
@@ -160,7 +161,7 @@ def _with_shared(model: nn.Module, specs: list[StageSpec]) -> list[StageSpec]:
     every = tensor_table(model)
     held = [{n for n in every if n.startswith(_heads(s))} for s in specs]
     return [replace(s, tied=tuple((name[len(s.prefix):], key) for name, key in t))
-            for s, t in zip(specs, _shared(model, held))]
+            for s, t in zip(specs, shared_params(model, held))]
 
 
 def _heads(spec: StageSpec) -> tuple[str, ...]:
@@ -288,8 +289,8 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
         raise PartitionError(f"SplitAt: the traced stages hold tensors {type(model).__name__} has no name for "
                              f"({strange[:5]}{'...' if len(strange) > 5 else ''}): tensors its forward creates and "
                              f"keeps between calls, which a stage cannot hand on. {_cache_hint(model)}")
-    unused = _place_unused(model, held)
-    tied = _shared(model, [h | set(u) for h, u in zip(held, unused)])
+    unused = place_unused(model, held)
+    tied = shared_params(model, [h | set(u) for h, u in zip(held, unused)])
     check_any_batch_size(pipe, example)
     evaluated = trace_split(meta_model(job).eval(), job.stages, example)  # see [Note: a traced stage in eval mode]
     check_same_cut(pipe, evaluated)
@@ -320,52 +321,6 @@ def _cache_hint(model: nn.Module) -> str:
         return (f"{where} has config.use_cache=True: its key-value cache is such a tensor. Build it with "
                 f"use_cache=False in its config (or call it with use_cache=False); a pipeline trains without a cache")
     return "Keep such state out of forward, or declare the stages another way"
-
-
-def _place_unused(model: nn.Module, held: list[set[str]]) -> list[list[str]]:
-    """Where each parameter or buffer that no stage graph reads goes.
-
-    [Note: parameters forward does not use]
-    A traced stage holds what its graph reads; a tensor ``forward`` never reads (a pooler, a
-    positional table another configuration uses) is in no graph, yet it is part of the model and
-    of its ``state_dict``. It is kept, with the stage that holds the same tensor under another
-    name (a tied alias), else with the stage that holds its nearest relative by name (its module's
-    other tensors), else with the first stage; it gets no gradient, so no optimizer moves it, and
-    checkpoints carry it as the plain model's do."""
-    names = tensor_names(model)
-    placed: list[list[str]] = [[] for _ in held]
-    for group in names.values():
-        for name in group:
-            if any(name in h for h in held):
-                continue
-            twin = next((i for i, h in enumerate(held) if any(n in h for n in group)), None)
-            placed[twin if twin is not None else _nearest(name, held)].append(name)
-    return placed
-
-
-def _nearest(name: str, held: list[set[str]]) -> int:
-    def common(a: str, b: str) -> int:
-        n = 0
-        for x, y in zip(a.split("."), b.split(".")):
-            if x != y:
-                break
-            n += 1
-        return n
-    scores = [max((common(name, h) for h in names), default=0) for names in held]
-    return scores.index(max(scores)) if max(scores) else 0
-
-
-def _shared(model: nn.Module, held: list[set[str]]) -> list[tuple[tuple[str, str], ...]]:
-    """For each stage: (its name, the unsplit model's first name) of every parameter it shares with
-    another stage (see [Note: a parameter shared by stages] in rpcmp/master/tied.py)."""
-    params = {id(p) for p in model.parameters()}
-    out: list[list[tuple[str, str]]] = [[] for _ in held]
-    for key, group in tensor_names(model).items():
-        holders = {i: next(n for n in group if n in h) for i, h in enumerate(held) if any(n in h for n in group)}
-        if key in params and len(holders) > 1:
-            for i, name in holders.items():
-                out[i].append((name, group[0]))
-    return [tuple(t) for t in out]
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:
