@@ -2,31 +2,14 @@
 one-process RPC world (real RPC, real distributed autograd, no other process). What needs
 several processes (transport, faults, launch) is in tests/integration."""
 import dataclasses
-import os
 
 import pytest
 import torch
-import torch.distributed.rpc as rpc
 
 import rpcmp
-from helpers import assert_close_f32, batches, load, train_reference
-from rpcmp.launch.runtime import _backend_options, free_port
+from helpers import assert_close_f32, batches, train_reference
 from rpcmp.train.trainer import fit
 from rpcmp.core.served import current, serve
-
-_ON_MASTER = ["master", "master"]
-
-
-@pytest.fixture(scope="session")
-def world():
-    """One RPC world for the whole session: init_rpc works once per process."""
-    job = dataclasses.replace(load("mlp"), placement=_ON_MASTER)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    torch.set_num_threads(1)
-    rpc.init_rpc("master", rank=0, world_size=1, rpc_backend_options=_backend_options(job, 1))
-    yield job
-    rpc.shutdown()
-
 
 @pytest.fixture
 def job(world):

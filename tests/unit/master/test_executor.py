@@ -1,0 +1,153 @@
+"""The executor (rpcmp/master/executor.py) against a fake pipeline: what each schedule does, in
+which order, and what a failed micro-batch leaves, with the stages' answers arriving late and
+out of order. Real distributed-autograd contexts (the one-process RPC world of conftest.py);
+no stage, no owner: the chain is a future that a timer completes."""
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rpcmp.master import executor, inbox
+from rpcmp.master.sync import LocalMerge
+from rpcmp.plan.schedule import make_plan
+
+
+class _Recorder(LocalMerge):
+    """The fake pipeline's gradient merge: records, does nothing."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def merge(self, pipe, ctx_ids, i, into):
+        self.events.append(("merge", i, into, ctx_ids[into]))
+
+
+class FakePipe:
+    """What :class:`rpcmp.master.executor.Steppable` names, and nothing else: the last stage's
+    output is ``2 * x``, answered after a random delay from another thread."""
+
+    def __init__(self, stages: int, fail: set[int] = frozenset(), seed: int = 0):
+        self.pid, self.job = 7, SimpleNamespace(loss=lambda out, y: ((out - y) ** 2).mean())
+        self.specs, self.places = [SimpleNamespace(sizes=())] * stages, [SimpleNamespace(process="first")]
+        self.owners, self.optimizer, self.loss_checked = ["first"] * stages, object(), True
+        self.events, self.lock, self.fail, self.rng = [], threading.Lock(), fail, random.Random(seed)
+        self.sync, self.seq, self.abandoned, self.resyncs = _Recorder(self.events), 0, [], 0
+        self.in_flight = self.most_in_flight = 0
+        self.local = threading.local()
+
+    def micro_threads(self, count):
+        return ThreadPoolExecutor(max_workers=count)
+
+    def next_seqs(self, count):
+        self.seq += count
+        return list(range(self.seq - count, self.seq))
+
+    def send(self, pid, seq, first, x, grad, owners):
+        i = seq - self.seqs0
+        self.local.i = i  # the same driver thread calls backward for this micro-batch
+        with self.lock:
+            self.events.append(("enter", i))
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        fut = torch.futures.Future()
+
+        def answer():
+            if i in self.fail:
+                fut.set_exception(RuntimeError(f"stage 1 failed on micro-batch {i}"))
+            else:
+                fut.set_result(2 * x)
+        threading.Timer(self.rng.uniform(0, 0.02), answer).start()
+        return fut
+
+    def forward(self, x, grad, chunks=None):
+        self.events.append(("forward", chunks))
+        return 2 * x
+
+    def backward(self, ctx, loss):
+        with self.lock:
+            self.events.append(("backward", getattr(self.local, "i", None)))
+            self.in_flight -= 1
+
+    def to_fp32(self, out):
+        return out
+
+    def check_loss(self, outs, y, total):
+        pass
+
+    def apply_step(self, ctx_id, loss):
+        self.events.append(("step", ctx_id, loss.item()))
+
+    def resync(self):
+        self.resyncs += 1
+
+
+@pytest.fixture
+def fake(monkeypatch, world):
+    def make(stages, **kw):
+        pipe = FakePipe(stages, **kw)
+        pipe.seqs0 = pipe.seq
+        monkeypatch.setattr(inbox, "send", pipe.send)
+        monkeypatch.setattr(inbox, "abandon", lambda pid, seqs: pipe.abandoned.append((pid, seqs)))
+        return pipe
+    return make
+
+
+def _batch(n=7):
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 3, generator=g), torch.randn(n, 3, generator=g)
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
+@pytest.mark.parametrize("m, stages", [(1, 2), (4, 2), (6, 3), (5, 5)])
+def test_a_context_per_micro_batch_enters_merges_and_steps_as_its_plan_says(fake, schedule, m, stages):
+    plan = make_plan(schedule, m, stages)
+    for seed in range(3):  # answers arrive in another order each time
+        pipe = fake(stages, seed=seed)
+        x, y = _batch()
+        loss = executor.run_step(pipe, schedule, x, y, m)
+        torch.testing.assert_close(loss, ((2 * x - y) ** 2).mean())  # shares weigh micro-batches of 3, 2, 2
+        kinds = [e[0] for e in pipe.events]
+        assert kinds.count("enter") == kinds.count("backward") == m and kinds.count("step") == 1
+        merges = [(e[1], e[2]) for e in pipe.events if e[0] == "merge"]
+        assert merges == list(plan.merges)  # in the plan's order, every time
+        step = kinds.index("step")
+        assert step == len(kinds) - 1 and pipe.events[step][2] == pytest.approx(loss.item())
+        assert len({e[3] for e in pipe.events if e[0] == "merge"}) <= 1  # all into the first micro-batch's context
+        assert pipe.most_in_flight <= plan.in_flight
+        for i, after in enumerate(plan.admit_after):  # 1f1b: i enters once i - S is merged
+            if after is not None:
+                done = ("merge", after) if after else ("backward", 0)  # micro-batch 0 is merged into by the rest
+                merged = next(k for k, e in enumerate(pipe.events) if e[:2] == done)
+                assert merged < pipe.events.index(("enter", i)), (i, after, pipe.events)
+
+
+def test_gpipe_runs_one_forward_one_backward_in_one_context(fake):
+    pipe = fake(3)
+    x, y = _batch()
+    loss = executor.run_step(pipe, "gpipe", x, y, 4)
+    assert [e[0] for e in pipe.events] == ["forward", "backward", "step"] and pipe.events[0] == ("forward", 4)
+    torch.testing.assert_close(loss, ((2 * x - y) ** 2).mean())
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
+def test_a_failed_micro_batch_raises_the_first_failure_and_steps_nothing(fake, schedule):
+    pipe = fake(2, fail={3, 1})
+    x, y = _batch(8)
+    with pytest.raises(RuntimeError, match="micro-batch 1$"):  # the first by index, whichever failed first
+        executor.run_step(pipe, schedule, x, y, 4)
+    assert not [e for e in pipe.events if e[0] == "step"]
+    assert pipe.abandoned == [(7, [0, 1, 2, 3])] and pipe.resyncs == 1
+    pipe.fail = set()
+    pipe.events.clear()
+    executor.run_step(pipe, schedule, x, y, 4)  # the next step runs whole
+    assert [e[0] for e in pipe.events].count("step") == 1
+
+
+def test_a_batch_smaller_than_the_micro_batch_count_is_refused(fake):
+    pipe = fake(2)
+    x, y = _batch(3)
+    with pytest.raises(Exception, match="micro"):
+        executor.run_step(pipe, "overlap", x, y, 4)

@@ -1,0 +1,81 @@
+"""The owner's state endpoints in one process (rpcmp/owner/move.py, rpcmp/owner/snapshot.py): a
+stage's export is everything a new owner needs, a snapshot is a copy later steps leave alone, a
+stage rolls back to its own copy or to its buddy's, and a stage of another shape is refused by
+name. The stages live on the master of the one-process RPC world (tests/unit/conftest.py)."""
+import dataclasses
+
+import pytest
+import torch
+
+import rpcmp
+from helpers import batches
+from rpcmp.core.served import current, serve
+from rpcmp.errors import StageError
+from rpcmp.owner import move, snapshot
+
+
+@pytest.fixture
+def pipe(world):
+    serve(world)
+    job = dataclasses.replace(world, optimizer=(torch.optim.Adam, {"lr": 0.01}))
+    pipe = rpcmp.Pipeline(job, world_size=1)
+    yield pipe
+    pipe.close()
+
+
+def _step(pipe, n=1):
+    for x, y in batches(n):
+        pipe.train_step(x, y)
+
+
+def _optims(pipe):
+    return {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
+
+
+def test_a_snapshot_is_a_copy_that_later_steps_leave_alone_and_only_the_last_two_are_kept(pipe):
+    for step in (1, 2, 3):
+        _step(pipe)
+        snapshot.take(pipe.pid, step, _optims(pipe), {0: "master", 1: "master"})
+        current().shipping[pipe.pid].wait()
+    at_three = pipe.state_dict()
+    _step(pipe)
+    served = current()
+    assert sorted(served.snapshots[(pipe.pid, 0)]) == [2, 3] and snapshot.held(pipe.pid, 1) == 3
+    for index in (0, 1):
+        kept = served.snapshots[(pipe.pid, index)][3]
+        prefix = kept["prefix"]
+        assert kept["params"] and all(torch.equal(v, at_three[prefix + k]) for k, v in kept["params"].items())
+        assert any(not torch.equal(v, pipe.state_dict()[prefix + k]) for k, v in kept["params"].items())
+    with pytest.raises(RuntimeError, match="of step 3, not 2"):  # a buddy answers only for the step it holds
+        snapshot.restore(pipe.pid, 1, 2, "master")
+
+
+def test_a_stage_rolls_back_to_its_own_copy_or_its_buddys_with_optimizer_state_by_name(pipe):
+    _step(pipe)
+    state, optim = pipe.state_dict(), pipe.optimizer_state()
+    snapshot.take(pipe.pid, 1, _optims(pipe), {0: "master", 1: "master"})
+    current().shipping[pipe.pid].wait()
+    _step(pipe, 2)
+    snapshot.restore(pipe.pid, 0, 1, None)  # its own copy
+    snapshot.restore(pipe.pid, 1, 1, "master")  # the buddy's, as a stage rebuilt on a spare
+    for key, value in pipe.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    for index in (0, 1):
+        moved, fields = current().host(pipe.pid, index).moved_optimizer
+        assert moved and all(torch.equal(moved[n]["exp_avg"], optim[n]["exp_avg"]) for n in moved)
+        assert fields  # the optimizer's own fields (lr, betas) travel with it
+
+
+def test_a_stage_of_other_tensors_or_shapes_is_refused_by_name(pipe):
+    got = move.export_stage(pipe.pid, 0, None, rng=False, copy=True)
+    host = current().host(pipe.pid, 0)
+    name = next(iter(got["params"]))
+    other = dict(got, params={**got["params"], name: torch.zeros(3, 1)})
+    with pytest.raises(StageError, match=rf"moving: param {name} has shape .* here and \(3, 1\) there"):
+        move.fill_stage(host, other, "moving")
+    fewer = dict(got, params={k: v for k, v in got["params"].items() if k != name})
+    with pytest.raises(StageError, match=rf"other params than the one it replaces \(only here: \['{name}'\]"):
+        move.fill_stage(host, fewer, "moving")
+    before = {k: v.clone() for k, v in host.module.state_dict().items()}
+    move.fill_stage(host, got, "moving")  # its own values: nothing changes
+    assert all(torch.equal(v, before[k]) for k, v in host.module.state_dict().items())
