@@ -107,6 +107,7 @@ class Served:
         self.snapshots: dict = {}
         self.buddy_snapshots: dict = {}
         self.shipping: dict = {}
+        self.marks: dict = {}  # Job(replicas=R, spares=K): pid -> the buffers and generators of its step's start (rpcmp/owner/live.py)
         # on the master: processes that left the run early, lost and replaced in place (rpcmp/master/recovery.py)
         # or drained (rpcmp/launch/drain.py); and, in a daemon job, the drain requests to look at between steps
         self.lost: set[str] = set()

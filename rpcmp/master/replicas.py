@@ -120,6 +120,10 @@ class Replicated:
                                                                 specs=specs)
                                            for i in range(self.copies)]]
         self.status = self.pipes[0].status
+        self.label_stages()
+
+    def label_stages(self) -> None:
+        """What failure messages say each process holds, from where the copies' stages are now."""
         self.status.stages = {}
         for i, pipe in enumerate(self.pipes):
             for owner, held in pipe.held().items():

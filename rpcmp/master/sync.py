@@ -12,7 +12,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from ..core.futures import raise_failures, wait_all
-from ..owner import stage
+from ..owner import live, stage
 
 __all__ = ["LocalMerge", "ReplicaReduce"]
 
@@ -41,12 +41,14 @@ class ReplicaReduce:
 
     def __init__(self, index: int, meeting):
         self.index, self.meeting = index, meeting  # meeting: the rpcmp.master.replicas.ReplicaSync of the copies
+        self.mark = False  # with spares: every owner marks the step's start (see [Note: a step marked, to be run again])
 
     def begin(self, pipe, first_seq: int, count: int, per_microbatch: bool) -> None:
         """The owners learn the step's micro-batches before they arrive (see [Note: the average overlaps
         the backward] in rpcmp/owner/reduce.py)."""
-        wait_all([rpc.rpc_async(o, stage.begin_reduce, args=(pipe.pid, first_seq, count, per_microbatch))
-                  for o in pipe.param_owners])
+        fn = live.begin if self.mark else stage.begin_reduce
+        owners = sorted(set(pipe.owners)) if self.mark else pipe.param_owners
+        wait_all([rpc.rpc_async(o, fn, args=(pipe.pid, first_seq, count, per_microbatch)) for o in owners])
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
         """The owners merge as each backward leaves them and start the average when the last has."""

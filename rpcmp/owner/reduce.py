@@ -181,4 +181,7 @@ class StepReduce:
                 self._start(zeros=True)
             self.closed = True
         if wait:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError:  # a copy's owner is gone (gloo: connection reset): the step failed already
+                pass

@@ -15,6 +15,7 @@ from ..core.checkpoint import latest_checkpoint, load_checkpoint
 from ..data import data_loader, epoch_batches, step_groups
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
+from ..master.livecopy import LiveCopies
 from ..master.recovery import RolledBack, Snapshots
 from ..owner import move as owner_move
 from ..plan.placement import process_name
@@ -80,6 +81,9 @@ class PipelineEngine:
         every = job.snapshot_every if job.snapshot_every is not None else 10
         # Spares take over a lost owner's stage, rebuilt from a snapshot (see [Note: recovery from a lost owner]).
         self.snapshots = Snapshots(pipe, every, self.spares) if self.spares and not self.replicated else None
+        # With replicas, from the live copy instead (see [Note: recovery from a live copy]).
+        self.live = LiveCopies(pipe, self.spares) if self.spares and self.replicated else None
+        self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
@@ -94,6 +98,12 @@ class PipelineEngine:
         # Accumulating k batches is one step over their concatenation in k x M micro-batches:
         # the same gradient, as each micro-batch's loss is weighted by its share of all samples.
         x, y = group[0] if len(group) == 1 else gather(group)
+        if self.live is not None:
+            try:
+                loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
+            except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
+                raise self.live.recover(exc, self.at) from exc
+            return loss.item(), batch_size(x)
         if self.snapshots is None:
             loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
             return loss.item(), batch_size(x)
@@ -108,6 +118,7 @@ class PipelineEngine:
         """Between two steps: re-cut when it pays (Job.rebalance), drain the ranks `rpcmp drain` asked for,
         and snapshot the stages when it is due (spares), at the first step and after the stages changed
         place. Returns what changed, for the log, or None."""
+        self.at = (step, *position)
         notes = [self.rebalancer.after_step(step)] if self.rebalancer is not None and not first else []
         control = current().control
         if control is not None and not first:
@@ -241,6 +252,9 @@ class PipelineEngine:
                       else "the run's last checkpoint (no snapshots: --snapshot-every 0)")
             text += (f"\nspares: {', '.join(self.snapshots.spares)}: one takes over the stages of a lost owner, rebuilt "
                      f"from {source}")
+        if self.live is not None:
+            text += (f"\nspares: {', '.join(self.live.spares)}: one takes over the stages of a lost owner, rebuilt from "
+                     f"the live copy in another replica (no step lost)")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
             text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
                      f"batch's (Job.batchnorm='batch'); batchnorm='micro' pipelines {pipe.microbatches} micro-batches "

@@ -2,6 +2,7 @@
 stopped (SIGSTOP past ``--hang-timeout``) from outside at a random step, by the test, not by
 rpcmp; the run ends exit 0, says one recovery line, and its model equals an uninterrupted
 run's. Without a spare, or when a second owner is lost, the run ends as it always did."""
+import json
 import os
 import random
 import signal
@@ -22,8 +23,8 @@ RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 STEPS = 200
 
 
-def _command(folder, *extra):
-    return [RPCMP, "run", job_path("three"), "--local", "5", "--max-steps", str(STEPS), "--checkpoint-dir",
+def _command(folder, *extra, job="three"):
+    return [RPCMP, "run", job_path(job), "--local", "5", "--max-steps", str(STEPS), "--checkpoint-dir",
             str(folder), "--metrics", str(folder) + ".jsonl", *extra]
 
 
@@ -39,10 +40,10 @@ def _process(tag: str, name: str) -> int | None:
     return None
 
 
-def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240):
+def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three"):
     """Run the job; when the metrics show step k, send ``sig`` to process ``name``, for each (k, name, sig)."""
     tag = uuid.uuid4().hex
-    proc = subprocess.Popen(_command(folder, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(_command(folder, *extra, job=job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
     try:
         for at, name, sig in hits:
@@ -131,3 +132,21 @@ def _stage_error_with_spares(job, world_size):
 def test_a_stage_s_own_error_with_spares_is_said_as_itself_not_recovered():
     name, text, lost = run_ranks("fragile", 5, _stage_error_with_spares, {"spares": 1}, timeout=90)
     assert name == "StageError" and "backward exploded" in text and lost == []
+
+
+@pytest.mark.timeout(300)
+def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_lost(tmp_path):
+    """Two copies of two stages (dropout in stage 0) and a spare: any owner killed at a random step."""
+    replicated = ("--local", "6", "--spares", "1", "--max-steps", "40")
+    clean = subprocess.run(_command(tmp_path / "clean", *replicated, job="replicated"), capture_output=True, text=True,
+                           timeout=240)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    at, victim = random.randint(3, 15), f"worker{random.randint(1, 4)}"
+    print(f"killing {victim} at step {at}")
+    code, out = _run_and_hit(tmp_path / "run", [(at, victim, signal.SIGKILL)], *replicated, job="replicated")
+    assert code == 0, out
+    assert out.count(f"recovered: {victim} was lost") == 1 and "rebuilt on worker5 from the live copy on" in out, out
+    assert "no step lost" in out, out
+    steps = [r["step"] for r in map(json.loads, open(str(tmp_path / "run") + ".jsonl")) if r.get("kind") == "step"]
+    assert steps == list(range(1, 41))  # no step trained twice, none skipped
+    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], load_checkpoint(str(tmp_path / "clean"))["model"])
