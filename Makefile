@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.rpcmp-installed
 
-.PHONY: install demo test unit bench gpu-check lint clean
+.PHONY: install demo test unit bench bench-net gpu-check lint clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ bench: install
 	$(PY) benchmarks/rebalance.py
 
 # The CUDA paths and their timings on this machine's GPU; says "no CUDA device: skipped" without one.
+# The split Unet over three network-namespace nodes with shaped links (root: ip netns, tc).
+bench-net: install
+	$(PY) benchmarks/network.py
+
 gpu-check: install
 	$(PY) tests/gpu/check.py
 

@@ -178,10 +178,10 @@ PIPELINING = {  # model: (processes, micro-batch counts)
 }
 
 
-def _pipelining(rank, port, queue, kind):
+def _pipelining(rank, port, queue, kind, addr="127.0.0.1", iface="lo", timer=None):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=iface)
     world, counts = PIPELINING[kind]
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if kind == "mlp":
@@ -206,18 +206,18 @@ def _pipelining(rank, port, queue, kind):
                 sched.step(x) if rank == 0 else sched.step(target=y) if last else sched.step()
                 opt.step()
                 dist.barrier()
-            out[f"{name}_m{m}"] = median_time(step)
+            out[f"{name}_m{m}"] = (timer or median_time)(step)
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()
 
 
 # -- hand-written RPC: RemoteModules called one after the other from the master ----
-def _hand_rpc(rank, port, queue):
+def _hand_rpc(rank, port, queue, addr="127.0.0.1", iface="lo", timer=None):
     from torch.distributed.nn import RemoteModule
     from torch.distributed.optim import DistributedOptimizer
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), TP_SOCKET_IFNAME=iface)
     opts = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
     rpc.init_rpc("master" if rank == 0 else f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
     if rank == 0:
@@ -233,7 +233,7 @@ def _hand_rpc(rank, port, queue):
                 loss = bm.bce(head(dec.forward(enc.forward(x))), y)
                 dist_autograd.backward(ctx, [loss])
                 opt.step(ctx)
-        queue.put(median_time(step))
+        queue.put((timer or median_time)(step))
     rpc.shutdown()
 
 

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .network import launch_store
+from ..core.store import launch_store
 
 __all__ = ["this_node", "share_nodes", "join_stage_groups", "leave_stage_groups"]
 

@@ -13,7 +13,7 @@ import time
 from ..errors import NetworkError
 
 __all__ = ["NetworkError", "select_interface", "preflight", "interfaces", "is_loopback", "wait_reachable", "port_free", "bound_store",
-           "launch_store"]
+          ]
 
 
 def interfaces() -> list[str]:
@@ -110,12 +110,3 @@ def bound_store(host: str, port: int):
     sock.listen(128)
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
                          use_libuv=False)
-
-
-def launch_store(seconds: float):
-    """A client of the launch's store at ``MASTER_ADDR:MASTER_PORT`` (torchrun's agent store, the
-    local launcher's or a daemon master's :func:`bound_store`), waiting up to ``seconds`` for a key."""
-    from datetime import timedelta
-    import torch.distributed as dist
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=seconds))

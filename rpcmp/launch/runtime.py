@@ -22,7 +22,8 @@ from ..errors import RunAbortedError, StageError
 from ..errors import WorkerLostError
 from ..core.health import Watchdog
 from ..job import Job, load_job
-from .network import launch_store, preflight
+from ..core.store import launch_store
+from .network import preflight
 from ..plan.placement import device_maps_for, process_name
 from ..plan.topology import Topology
 from .env import LaunchEnv

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import click
 
-from ..cli.commands import job_options
+from ..cli.options import job_options
 from ..errors import JobError
 
 __all__ = ["main"]

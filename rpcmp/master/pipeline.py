@@ -69,7 +69,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 from ..core import health
 from . import inbox, move, recut, tied
-from ..owner import stage
+from ..owner import grads, stage
 from ..errors import JobError, StageError
 from ..data import needs_sample, sample_batch
 from .executor import run_step
@@ -111,7 +111,7 @@ class Pipeline(PipelineState):
         self.pid, self._seq = served.next_pipeline_id(), 0
         self.status = status or served.status  # what failure messages say the run was doing
         self.label_stages()
-        futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute")}
+        futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute", "wire")}
         options["owners"], options["deliver"] = list(self.owners), inbox.deliver
         self.build_options = options  # what a stage built later is built with (rpcmp.master.move)
         for i, (spec, place) in enumerate(zip(self.specs, self.places)):
@@ -257,12 +257,12 @@ class Pipeline(PipelineState):
         if not self.gradients.needs_norm:
             return True
         skip = tied.norm_skips(self.specs, self.owners)  # a shared parameter counts once
-        sq = wait_all([rpc.rpc_async(o, stage.grad_sq_norm, args=(self.pid, ctx_id, skip.get(o, ()))) for o in self.param_owners])
+        sq = wait_all([rpc.rpc_async(o, grads.grad_sq_norm, args=(self.pid, ctx_id, skip.get(o, ()))) for o in self.param_owners])
         coef = self.gradients.coefficient(math.sqrt(sum(sq)))
         if coef is None:
             return False
         if coef != 1.0:
-            wait_all([rpc.rpc_async(o, stage.scale_grads, args=(self.pid, ctx_id, coef)) for o in self.param_owners])
+            wait_all([rpc.rpc_async(o, grads.scale_grads, args=(self.pid, ctx_id, coef)) for o in self.param_owners])
         return True
 
     # -- policy state the trainer reads and checkpoints ------------------------------------

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch.distributed.rpc as rpc
 
-from ..owner import stage
+from ..owner import grads as owner_grads
 from ..errors import StageError
 from ..core.futures import wait_all
 
@@ -45,7 +45,7 @@ def sum_shared(pipe, ctx_id: int) -> None:
     if not groups:
         return
     asks = [(i, local) for members in groups.values() for i, local in members]
-    grads = dict(zip(asks, wait_all([rpc.rpc_async(pipe.places[i].process, stage.shared_grad,
+    grads = dict(zip(asks, wait_all([rpc.rpc_async(pipe.places[i].process, owner_grads.shared_grad,
                                                    args=(pipe.pid, i, local, ctx_id)) for i, local in asks])))
     writes = []
     for key, members in groups.items():
@@ -58,7 +58,7 @@ def sum_shared(pipe, ctx_id: int) -> None:
         total = grads[members[0]].clone()
         for member in members[1:]:
             total.add_(grads[member])
-        writes += [rpc.rpc_async(pipe.places[i].process, stage.set_shared_grad, args=(pipe.pid, i, local, ctx_id, total))
+        writes += [rpc.rpc_async(pipe.places[i].process, owner_grads.set_shared_grad, args=(pipe.pid, i, local, ctx_id, total))
                    for i, local in members]
     wait_all(writes)
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.served import current
+from ..core.store import launch_store
 from . import stage
 from .state import rng_state, set_rng_state
 
@@ -53,7 +54,6 @@ def regroup(index: int, prefix: str, rank: int, size: int, device: str, seconds:
     """The copies of stage ``index`` average in a new process group (rank ``rank`` of ``size``),
     met through the launch's store under ``prefix``: not ``new_group`` over the world, which waits
     for every rank of the world, the lost one too."""
-    from ..launch.network import launch_store
     store = dist.PrefixStore(prefix, launch_store(seconds))
     cls = dist.ProcessGroupNCCL if device.startswith("cuda") else dist.ProcessGroupGloo
     group = cls(store, rank, size, timeout=timedelta(seconds=seconds)) if cls is dist.ProcessGroupGloo \

@@ -44,14 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 
 from .admission import InOrder
 from ..errors import StageError
 from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
-from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
+from ..core.microbatch import WIRE, check_tensors, from_wire, map_tensors, tensors, to_device, to_wire
 from ..plan.partition import StageSpec, build_empty, build_stage, has_batchnorm
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
@@ -61,8 +60,7 @@ from ..core.served import current
 # The RPC endpoints the master calls (rpcmp.master.pipeline, rpcmp.master.executor, rpcmp.master.inbox); each finds
 # the stage it acts on in this process's rpcmp.core.served.Served.
 __all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "begin_reduce", "reduce_merged",
-           "average_grads", "settle_reduce", "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads",
-           "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
+           "average_grads", "settle_reduce", "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
 
 
 @dataclass
@@ -76,6 +74,7 @@ class StageHost:
     keep_on_device: bool
     timeout: float
     autocast: torch.dtype | None = None  # Job.precision bf16 / fp16: the stage runs under autocast
+    wire: torch.dtype | None = None  # Job.wire bf16 / fp16: what activations and gradients cross to and from stages in
     recompute: bool = False  # see [Note: recompute]
     lock: threading.RLock = field(default_factory=threading.RLock)  # forward vs recomputation
     owners: list = field(default_factory=list)  # process of every stage: where posts go
@@ -123,6 +122,7 @@ class StageHost:
         if self.events is not None and grad:
             x = self._trace_backward_end(x, seq)
         with torch.set_grad_enabled(grad), self._precision():
+            x = from_wire(x, self.wire) if self.spec.index else x  # stage 0's input is the master's batch
             with self.lock:
                 if self.recompute and grad:
                     y = Recomputed.run(self.module, self.lock, self.device, x)
@@ -136,6 +136,8 @@ class StageHost:
                 posts = to_device(posts, torch.device("cpu"))
         if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
             y = to_device(y, torch.device("cpu"))
+        with torch.set_grad_enabled(grad):  # to the next stage (the master's loss takes float32)
+            y, posts = (to_wire(y, self.wire) if self.next_process else y), to_wire(posts, self.wire)
         self.compute_s += time.perf_counter() - start
         self.runs += 1
         self.bytes_out += sum(t.nbytes for t in tensors(y))
@@ -198,7 +200,8 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
     route = module.forward if spec.kind == "traced" else None  # see [Note: skip values go straight to their consumer]
     served.hosts[(pid, spec.index)] = StageHost(pid, spec, place, module, device, next_process, keep, timeout,
-                                                autocast, bool(options["recompute"]), owners=list(options["owners"]),
+                                                autocast, wire=WIRE[options.get("wire", "fp32")],
+                                                recompute=bool(options["recompute"]), owners=list(options["owners"]),
                                                 deliver=options["deliver"],
                                                 mail_in=tuple(route.mail_in) if route else (),
                                                 posts=bool(route.posts) if route else False)
@@ -308,31 +311,6 @@ def settle_reduce(pid: int, wait: bool) -> None:
     """A failed step: every stage here takes part in the step's all_reduce (see rpcmp/owner/reduce.py)."""
     for host in _reducing(pid):
         host.reduce.settle(wait)
-
-
-def grad_sq_norm(pid: int, ctx_id: int, skip: tuple = ()) -> float:
-    """Sum of squares of this process's parameter gradients in the context (for global clipping),
-    leaving out the names in ``skip`` (copies of a shared parameter counted on another stage)."""
-    params = {p: n for p, n in named_params(pid).items() if n not in skip}
-    return float(sum(g.double().pow(2).sum() for g in param_grads(params, ctx_id).values()))
-
-
-def shared_grad(pid: int, index: int, name: str, ctx_id: int) -> torch.Tensor | None:
-    """Stage ``index``'s gradient of its parameter ``name`` in the context, or None (see [Note: a
-    parameter shared by stages] in rpcmp/master/tied.py)."""
-    param = current().host(pid, index).module.get_parameter(name)
-    grad = dist_autograd.get_gradients(ctx_id).get(param)
-    return None if grad is None else grad.detach().cpu()
-
-
-def set_shared_grad(pid: int, index: int, name: str, ctx_id: int, value: torch.Tensor) -> None:
-    param = current().host(pid, index).module.get_parameter(name)
-    dist_autograd.get_gradients(ctx_id)[param].copy_(value)
-
-
-def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
-    for g in param_grads(named_params(pid), ctx_id).values():
-        g.mul_(scale)
 
 
 def set_fields(optim_rref, fields: dict) -> None:

@@ -25,7 +25,7 @@ from ..core.checkpoint import read_state_file
 from ..plan.materialize import build_whole
 from ..errors import JobError, RunAbortedError
 from ..errors import WorkerLostError
-from ..launch.network import launch_store
+from ..core.store import launch_store
 from ..core.served import current
 from ..owner.state import rng_state as process_rng_state, set_rng_state as set_process_rng_state
 from ..core.hparams import load_scheduler_state, scheduler_state

@@ -101,6 +101,6 @@ def test_only_a_failed_write_is_reported_as_one(tmp_path):
 
 
 def test_a_failed_write_is_a_run_failure_exit_1_not_an_input_mistake_exit_2():
-    from rpcmp.cli.commands import exit_code
+    from rpcmp.cli.options import exit_code
     assert exit_code(CheckpointWriteError("disk full")) == 1
     assert exit_code(CheckpointError("another model")) == 2
