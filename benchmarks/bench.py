@@ -217,7 +217,7 @@ def _hand_rpc(rank, port, queue, addr="127.0.0.1", iface="lo", timer=None):
     from torch.distributed.nn import RemoteModule
     from torch.distributed.optim import DistributedOptimizer
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), TP_SOCKET_IFNAME=iface)
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), TP_SOCKET_IFNAME=iface, GLOO_SOCKET_IFNAME=iface)
     opts = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
     rpc.init_rpc("master" if rank == 0 else f"worker{rank}", rank=rank, world_size=3, rpc_backend_options=opts)
     if rank == 0:

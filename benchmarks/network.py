@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -200,6 +201,7 @@ def main(ctx, rates, rounds, out):
     if ctx.invoked_subcommand is not None:
         return
     console = Console()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill from outside still removes the namespaces
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if os.geteuid() != 0 or missing:
         raise click.UsageError(f"bench-net needs root and iproute2's ip and tc (missing: {missing or 'root'})")
