@@ -51,9 +51,13 @@ class LiveCopies:
         for pipe in replicated.pipes:
             pipe.sync.mark = True
 
-    def recover(self, error: BaseException, position: tuple[int, int, int]) -> RolledBack:
-        """Rebuild the stages of the owner whose loss failed the step at ``position`` from a live copy,
-        or re-raise ``error`` (see [Note: recovery from a live copy])."""
+    def settle(self) -> None:
+        """Nothing to wait for before a step: the copies are the source (see the Note)."""
+
+    def recover(self, error: BaseException, position: tuple[int, int, int], in_step: bool = True) -> RolledBack:
+        """Rebuild the stages of the owner whose loss failed the step at ``position`` (or, not ``in_step``, the
+        checkpoint save after the step before it) from a live copy, or re-raise ``error`` (see [Note: recovery
+        from a live copy])."""
         start, pipes = time.perf_counter(), self.rep.pipes
         owners = {o for p in pipes for o in p.owners}
         lost = unresponsive(sorted(owners | set(self.spares)), timeout=3.0)
@@ -71,7 +75,8 @@ class LiveCopies:
         r = next(i for i, p in enumerate(pipes) if gone in p.owners)
         pipe, source = pipes[r], pipes[(r + 1) % len(pipes)]
         stages = [k for k, o in enumerate(pipe.owners) if o == gone]
-        wait_all([rpc.rpc_async(o, live.unmark, args=(p.pid,)) for p in pipes for o in sorted(set(p.owners) - {gone})])
+        if in_step:  # between steps the survivors' buffers and generators are already the step's
+            wait_all([rpc.rpc_async(o, live.unmark, args=(p.pid,)) for p in pipes for o in sorted(set(p.owners) - {gone})])
         self._rebuild(pipe, source, gone, spare, stages)
         self._regroup(stages)
         self.rep.label_stages()
@@ -80,7 +85,8 @@ class LiveCopies:
         return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
                                     f"{str(error).splitlines()[0][:60]}); replica {r} stage {names} rebuilt on {spare} "
                                     f"from the live copy on {', '.join(source.owners[k] for k in stages)}; no step "
-                                    f"lost (step {position[0] + 1} runs again); {time.perf_counter() - start:.2f} s")
+                                    f"lost ({f'step {position[0] + 1} runs again' if in_step else 'its checkpoint skipped'}"
+                                    f"); {time.perf_counter() - start:.2f} s")
 
     def _rebuild(self, pipe, source, gone: str, spare: str, stages: list[int]) -> None:
         """Build ``stages`` of ``pipe`` on ``spare`` and fill them from ``source``'s copies."""

@@ -98,20 +98,15 @@ class PipelineEngine:
         # Accumulating k batches is one step over their concatenation in k x M micro-batches:
         # the same gradient, as each micro-batch's loss is weighted by its share of all samples.
         x, y = group[0] if len(group) == 1 else gather(group)
-        if self.live is not None:
-            try:
-                loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
-            except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
-                raise self.live.recover(exc, self.at) from exc
-            return loss.item(), batch_size(x)
-        if self.snapshots is None:
+        recovery = self.snapshots or self.live
+        if recovery is None:
             loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
             return loss.item(), batch_size(x)
         try:
-            self.snapshots.settle()  # the owners' copies of the last snapshot are made: the step may change them
+            recovery.settle()  # the owners' copies of the last snapshot are made: the step may change them
             loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
         except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
-            raise self.snapshots.recover(exc) from exc  # a RolledBack, or exc itself
+            raise recovery.recover(exc, self.at) from exc  # a RolledBack, or exc itself
         return loss.item(), batch_size(x)
 
     def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None:
@@ -231,7 +226,18 @@ class PipelineEngine:
 
     @contextlib.contextmanager
     def saving(self, step: int):
-        yield True  # the master writes every checkpoint
+        """The master writes every checkpoint. An owner lost while it writes its part is recovered as in a
+        step (with spares), and the parts the others wrote of this unfinished checkpoint are removed."""
+        recovery = self.snapshots or self.live
+        try:
+            yield True
+        except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
+            if recovery is None:
+                raise
+            back = recovery.recover(exc, self.at, in_step=False)
+            if self.job.checkpoint_dir:
+                self.remove_incomplete(self.job.checkpoint_dir)
+            raise back from exc
 
     def resume_checkpoint(self, directory: str, run: str | None = None) -> dict | None:
         path = latest_checkpoint(directory, run)

@@ -38,10 +38,7 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
 def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) -> dict[str, Any]:
     total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
     step, epoch, first_batch, run = _start(job, engine, console)
-    run = run or new_run_id()  # see rpcmp/core/checkpoint.py: a run prunes only its own checkpoints
-    served = current()
-    if served.keep_run is not None and engine.is_main:
-        served.keep_run(run)  # a restarted attempt continues this run: see [Note: a restart resumes by itself]
+    run = _this_run(run, engine)
     before = engine.evaluate(heldout) if heldout is not None and job.metric else None
     if before is not None:
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
@@ -63,10 +60,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                 try:
                     loss, n = engine.train_step(group)
                 except RolledBack as back:  # a lost owner was replaced: see rpcmp/master/recovery.py
-                    progress.console.print(back.line, soft_wrap=True)
-                    progress.remove_task(task)
-                    del losses[len(losses) - (step - back.position[0]):]
-                    step, position, rolled = back.position[0], back.position[1:], True
+                    (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
                     break
                 tracer.after(step + 1)
                 losses.append(loss)
@@ -80,7 +74,11 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                 if note := engine.after_step(step, position):  # a re-cut (Job.rebalance) says what it did
                     progress.console.print(note, soft_wrap=True)
                 if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
-                    saved = _save(job, engine, run, step, *position)
+                    try:
+                        saved = _save(job, engine, run, step, *position)
+                    except RolledBack as back:  # an owner lost while it wrote its part
+                        (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
+                        break
                 if step >= total:
                     break
             if not rolled:
@@ -95,6 +93,23 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
     if job.checkpoint_dir and saved != step:
         _save(job, engine, run, step, epoch, first_batch)
     return _finish(job, engine, console, log, tracer, heldout, before, losses, samples, step, time.perf_counter() - start)
+
+
+def _this_run(run: str | None, engine) -> str:
+    """The run this one continues, or a new one (a run prunes only its own checkpoints: rpcmp/core/checkpoint.py)."""
+    run = run or new_run_id()
+    served = current()
+    if served.keep_run is not None and engine.is_main:
+        served.keep_run(run)  # a restarted attempt continues this run: see [Note: a restart resumes by itself]
+    return run
+
+
+def _rolled_back(back, progress, task, losses: list, step: int) -> tuple[int, tuple[int, int]]:
+    """After a recovery: say it, drop the losses of the steps to train again; where to go on from."""
+    progress.console.print(back.line, soft_wrap=True)
+    progress.remove_task(task)
+    del losses[len(losses) - (step - back.position[0]):]
+    return back.position[0], back.position[1:]
 
 
 def _progress_columns() -> tuple:
@@ -171,9 +186,9 @@ class MetricsLog:
 
 
 def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
-    rng = engine.rng_state()  # DDP: a collective, so every rank takes part
     # DDP: every rank holds the same state; rank 0 writes it while the others wait (see DDPEngine.saving)
     with engine.saving(step) as writer:
+        rng = engine.rng_state()  # DDP: a collective, so every rank takes part
         if writer:
             _write(job, engine, run, step, epoch, next_batch, rng)
     return step
