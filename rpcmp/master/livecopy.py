@@ -38,7 +38,7 @@ from ..owner import live
 from ..owner import move as owner_move
 from ..plan.placement import Place
 from .move import build_on, install, new_optimizer
-from .recovery import RolledBack
+from .recovery import RolledBack, cannot_replace
 
 __all__ = ["LiveCopies"]
 
@@ -63,9 +63,7 @@ class LiveCopies:
         lost = unresponsive(sorted(owners | set(self.spares)), timeout=3.0)
         self.spares[:] = [s for s in self.spares if s not in lost]
         owners_lost = sorted(owners & set(lost))
-        why = ("no owner of a stage is lost" if not owners_lost else
-               f"{len(owners_lost)} owners are lost ({', '.join(owners_lost)}); a spare replaces one"
-               if len(owners_lost) > 1 else None if self.spares else "no spare process is left (--spares)")
+        why = cannot_replace(owners_lost, self.spares)
         if why:
             if owners_lost:
                 print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)

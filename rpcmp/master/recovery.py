@@ -40,7 +40,7 @@ from ..owner import state as stage_state
 from ..plan.placement import MASTER, Place
 from .move import build_on, install, new_optimizer
 
-__all__ = ["Snapshots", "RolledBack"]
+__all__ = ["Snapshots", "RolledBack", "cannot_replace"]
 
 
 class RolledBack(Exception):
@@ -210,13 +210,17 @@ class Snapshots:
         return (ckpt["step"], ckpt["epoch"], ckpt["next_batch"]), f"the checkpoint of step {ckpt['step']} ({ckpt['path']})"
 
     def _cannot(self, owners_lost: list[str], step: int | None, ckpt: dict | None) -> str | None:
-        if not owners_lost:
-            return "no owner of a stage is lost"
-        if len(owners_lost) > 1:
-            return f"{len(owners_lost)} owners are lost ({', '.join(owners_lost)}); a spare replaces one"
-        if not self.spares:
-            return "no spare process is left (--spares)"
-        if step is None and ckpt is None:
+        why = cannot_replace(owners_lost, self.spares)
+        if why is None and step is None and ckpt is None:
             return ("no snapshot holds the lost stages (--snapshot-every N) and no checkpoint of this run is whole in "
                     "the master's folder (--checkpoint-dir on a folder every node shares)")
-        return None
+        return why
+
+
+def cannot_replace(owners_lost: list[str], spares: list[str]) -> str | None:
+    """Why the lost owners cannot be replaced in place, or None: exactly one is lost and a spare is free."""
+    if not owners_lost:
+        return "no owner of a stage is lost"
+    if len(owners_lost) > 1:
+        return f"{len(owners_lost)} owners are lost ({', '.join(owners_lost)}); a spare replaces one"
+    return None if spares else "no spare process is left (--spares)"
