@@ -36,9 +36,7 @@ from ..core.health import unresponsive
 from ..core.served import current
 from ..owner import live
 from ..owner import move as owner_move
-from ..plan.placement import Place
-from .move import build_on, install, new_optimizer
-from .recovery import RolledBack, cannot_replace
+from .recovery import RolledBack, cannot_replace, install_rebuilt, rebuild_on_spare
 
 __all__ = ["LiveCopies"]
 
@@ -88,21 +86,13 @@ class LiveCopies:
 
     def _rebuild(self, pipe, source, gone: str, spare: str, stages: list[int]) -> None:
         """Build ``stages`` of ``pipe`` on ``spare`` and fill them from ``source``'s copies."""
-        owners = [spare if o == gone else o for o in pipe.owners]
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
         theirs = {r.owner().name: r for r in source.optimizer.remote_optimizers}
-        places = {k: Place(spare, pipe.places[k].device) for k in stages}
-        built = {k: build_on(pipe, k, places[k], owners, empty=True) for k in stages}
+        built = rebuild_on_spare(pipe, gone, spare, stages, empty=True)
         for n, k in enumerate(stages):  # the generators once: they are the process's, not the stage's
             rpc.rpc_sync(spare, owner_move.take_stage, args=(pipe.pid, k, source.owners[k],
                                                             theirs.get(source.owners[k]), n == 0, source.pid))
-        for k in stages:
-            pipe.places[k], pipe.owners[k] = places[k], spare
-        wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
-        pipe.resync()  # every gate waits for the pipeline's next micro-batch
-        for k, b in built.items():
-            install(pipe, k, places[k], b)
-        new_optimizer(pipe, old_optims, {spare})
+        install_rebuilt(pipe, built, old_optims, spare)
 
     def _regroup(self, stages: list[int]) -> None:
         """The copies of each rebuilt stage average in a new process group (see the Note)."""

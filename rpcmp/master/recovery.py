@@ -40,7 +40,7 @@ from ..owner import state as stage_state
 from ..plan.placement import MASTER, Place
 from .move import build_on, install, new_optimizer
 
-__all__ = ["Snapshots", "RolledBack", "cannot_replace"]
+__all__ = ["Snapshots", "RolledBack", "cannot_replace", "rebuild_on_spare", "install_rebuilt"]
 
 
 class RolledBack(Exception):
@@ -151,32 +151,15 @@ class Snapshots:
         except CheckpointError:  # a part only its node has: a folder that is not shared
             return None
 
-    def _rebuild(self, gone: str, spare: str, stages: list[int], empty: bool) -> dict:
-        """Build the lost ``stages`` on ``spare`` and route every owner to it; what the builds returned."""
-        pipe = self.pipe
-        owners = [spare if o == gone else o for o in pipe.owners]
-        places = {k: Place(spare, pipe.places[k].device) for k in stages}  # the same device on the spare
-        built = {k: build_on(pipe, k, places[k], owners, empty=empty) for k in stages}
-        for k in stages:
-            pipe.places[k], pipe.owners[k] = places[k], spare
-        wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
-        pipe.resync()  # every gate waits for the pipeline's next micro-batch
-        return built
-
-    def _installed(self, built: dict, old_optims: dict, spare: str) -> None:
-        for k, b in built.items():
-            install(self.pipe, k, self.pipe.places[k], b)
-        new_optimizer(self.pipe, old_optims, {spare})
-
     def _from_snapshot(self, gone: str, spare: str, stages: list[int], step: int, buddies: dict) -> tuple[tuple, str]:
         """Source b: the lost stages from their buddies' copies, the others from their own; the same step."""
         pipe = self.pipe
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
         rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None))  # while the spare builds
                    for k, o in enumerate(pipe.owners) if k not in stages]
-        built = self._rebuild(gone, spare, stages, empty=True)
+        built = rebuild_on_spare(pipe, gone, spare, stages, empty=True)
         wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
-        self._installed(built, old_optims, spare)
+        install_rebuilt(pipe, built, old_optims, spare)
         kept = self.kept[step]
         if kept["scheduler"] is not None:
             pipe.load_scheduler_state(kept["scheduler"])
@@ -194,8 +177,8 @@ class Snapshots:
         generators from what the lost process had then; the data position of the checkpoint."""
         pipe = self.pipe
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
-        built = self._rebuild(gone, spare, stages, empty=False)  # non-persistent buffers come from the build
-        self._installed(built, old_optims, spare)
+        built = rebuild_on_spare(pipe, gone, spare, stages, empty=False)  # non-persistent buffers come from the build
+        install_rebuilt(pipe, built, old_optims, spare)
         pipe.load_files(ckpt["files"])
         saved = (ckpt.get("rng") or {}).get("processes", {})
         wait_all([rpc.rpc_async(p, stage_state.set_rng_state, args=(saved[gone if p == spare else p],))
@@ -224,3 +207,23 @@ def cannot_replace(owners_lost: list[str], spares: list[str]) -> str | None:
     if len(owners_lost) > 1:
         return f"{len(owners_lost)} owners are lost ({', '.join(owners_lost)}); a spare replaces one"
     return None if spares else "no spare process is left (--spares)"
+
+
+def rebuild_on_spare(pipe, gone: str, spare: str, stages: list[int], empty: bool) -> dict:
+    """Build the lost ``stages`` of ``pipe`` on ``spare`` and route every owner to it; what the builds
+    returned (for :func:`install_rebuilt`, once the stages hold their values)."""
+    owners = [spare if o == gone else o for o in pipe.owners]
+    places = {k: Place(spare, pipe.places[k].device) for k in stages}  # the same device on the spare
+    built = {k: build_on(pipe, k, places[k], owners, empty=empty) for k in stages}
+    for k in stages:
+        pipe.places[k], pipe.owners[k] = places[k], spare
+    wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
+    pipe.resync()  # every gate waits for the pipeline's next micro-batch
+    return built
+
+
+def install_rebuilt(pipe, built: dict, old_optims: dict, spare: str) -> None:
+    """The master's handles of the rebuilt stages, and the optimizer: a new local one on the spare only."""
+    for k, b in built.items():
+        install(pipe, k, pipe.places[k], b)
+    new_optimizer(pipe, old_optims, {spare})

@@ -136,8 +136,9 @@ class StageHost:
                 posts = to_device(posts, torch.device("cpu"))
         if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
             y = to_device(y, torch.device("cpu"))
-        with torch.set_grad_enabled(grad):  # to the next stage (the master's loss takes float32)
-            y, posts = (to_wire(y, self.wire) if self.next_process else y), to_wire(posts, self.wire)
+        if self.wire is not None:  # to later stages (the master's loss takes float32)
+            with torch.set_grad_enabled(grad):
+                y, posts = (to_wire(y, self.wire) if self.next_process else y), to_wire(posts, self.wire)
         self.compute_s += time.perf_counter() - start
         self.runs += 1
         self.bytes_out += sum(t.nbytes for t in tensors(y))

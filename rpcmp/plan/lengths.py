@@ -33,16 +33,16 @@ def input_sizes(pipe, example: Any) -> tuple[tuple[int | None, ...], ...]:
     where the stages take no other, None where they take any (see [Note: any sequence length]).
     Dimension 1 is tried one longer on fake tensors (no computation); the rest is as traced."""
     import logging
-    from torch._subclasses.fake_tensor import FakeTensorMode
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs the expected failure as an error
     level, quiet.level = quiet.level, logging.CRITICAL
     try:
-        return _sizes(pipe, example, FakeTensorMode)
+        return _sizes(pipe, example)
     finally:
         quiet.setLevel(level)
 
 
-def _sizes(pipe, example: Any, FakeTensorMode) -> tuple:
+def _sizes(pipe, example: Any) -> tuple:
+    from torch._subclasses.fake_tensor import FakeTensorMode
     leaves, spec = pytree.tree_flatten(example)
     out = []
     for k, t in enumerate(leaves):
