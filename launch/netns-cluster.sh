@@ -35,15 +35,39 @@ LOGS=${LOGS:-$(mktemp -d)}
 mkdir -p "$LOGS"
 namespaces=()
 
-cleanup() {
-  local rc=$?
-  for ns in "${namespaces[@]}"; do
-    pids=$(ip netns pids "$ns" 2>/dev/null || true)
-    [[ -n "$pids" ]] && kill -9 $pids 2>/dev/null || true
+kill_in() {  # every process in namespace $1
+  local pids
+  pids=$(ip netns pids "$1" 2>/dev/null || true)
+  [[ -n "$pids" ]] && kill -9 $pids 2>/dev/null || true
+}
+listed() { ip netns list 2>/dev/null | awk '{print $1}' | grep -qx "$1"; }
+
+remove() {  # namespace $1 and what runs in it; says so when it cannot
+  local try
+  kill_in "$1"
+  for try in 1 2 3 4 5 6 7 8 9 10; do
+    ip netns del "$1" 2>/dev/null || true
+    listed "$1" || return 0
+    sleep 0.2
+    kill_in "$1"
   done
-  for ns in "${namespaces[@]}"; do ip netns del "$ns" 2>/dev/null || true; done
+  echo "netns-cluster: could not remove namespace $1: $(ip netns del "$1" 2>&1)" >&2
+  return 1
+}
+
+cleanup() {
+  local rc=$? ns
+  trap - EXIT INT TERM
+  for ns in "${namespaces[@]}"; do kill_in "$ns"; done
+  for ns in "${namespaces[@]}"; do remove "$ns" || rc=1; done
   exit $rc
 }
+
+# A cluster whose script was SIGKILLed could not tear itself down: remove what it left (its pid is gone).
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -E '^rpcmp-(n[0-9]+|sw)-[0-9]+$' || true); do
+  kill -0 "${ns##*-}" 2>/dev/null && continue
+  remove "$ns" && echo "netns-cluster: removed $ns, left by a cluster whose script was killed" >&2
+done
 trap cleanup EXIT INT TERM
 
 ip netns add "$SW"; namespaces+=("$SW")

@@ -40,17 +40,20 @@ def run(job_file, nprocs, workers, listen, token_file, overrides):
         from ..launch.server import start_server
         start_server(job_file)  # it imports torch and the job's libraries while this process does the same
     from ..launch.local import launch_local
+    from ..train.stop import exit_status
     from ..train.trainer import fit
     if (nprocs is None) == (workers is None):
         raise click.BadParameter("give exactly one of --local N (processes here) or --workers N (daemons)")
     if workers is not None:
         from ..launch.daemon import run_master
         from ..launch.drain import DrainRequests
-        run_master(job_file, workers, listen, token_file, overrides, fit, control=DrainRequests)
-        return
-    if nprocs < 2:
+        result = run_master(job_file, workers, listen, token_file, overrides, fit, control=DrainRequests)
+    elif nprocs < 2:
         raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
-    launch_local(job_file, nprocs, fit, overrides=overrides)
+    else:
+        result = launch_local(job_file, nprocs, fit, overrides=overrides)
+    if exit_status(result):  # stopped by a signal: see [Note: stopping a run]
+        sys.exit(exit_status(result))
 
 
 @main.command()

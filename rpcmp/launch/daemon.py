@@ -307,7 +307,7 @@ def _next_offer(host: str, port: int, done: set, stop: threading.Event, poll: fl
 
 
 def run_master(job_file: str, workers: int, listen: str, token_file: str | None, overrides, main,
-               control=None) -> None:
+               control=None):
     """``rpcmp run JOB --workers N``: offer the job to N daemons, then be its rank 0 here. ``control``:
     made from (offer store, token, job id), what the trainer looks at between steps (``rpcmp drain``'s
     requests: rpcmp.launch.drain.DrainRequests)."""
@@ -323,8 +323,9 @@ def run_master(job_file: str, workers: int, listen: str, token_file: str | None,
         current().control = requests  # `rpcmp drain` requests reach the trainer: see [Note: draining a rank]
         return main(job, world_size)
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
-    run_rank(job_file, 0, workers + 1, main_here, overrides, local_procs=1)
+    result = run_rank(job_file, 0, workers + 1, main_here, overrides, local_procs=1)
     del store  # the rendezvous store lives as long as the run
+    return result
 
 
 def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides, finished) -> None:

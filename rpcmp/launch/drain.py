@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
 import time
 
 from .daemon import _KEY, _mac, _read, _same
@@ -73,6 +74,11 @@ def request_drain(master: str, rank: int, token: str, timeout: float = 300.0, ac
     import torch.distributed as dist
     from datetime import timedelta
     host, _, port = master.rpartition(":")
+    try:  # a plain connection first: no job there is one line, not TCPStore's 30 s of retries and a C++ trace
+        socket.create_connection((host, int(port) + 1), timeout=10).close()
+    except OSError as exc:
+        return False, (f"no job answers at {host}:{int(port) + 1} (the offer store of --master {master}): {exc}; "
+                       f"is the job still running, and is --master the address given to `rpcmp run --listen`?")
     store = dist.TCPStore(host, int(port) + 1, is_master=False, timeout=timedelta(seconds=30))
     offer = json.loads(store.get(_KEY))
     job_id, nonce = offer["id"], secrets.token_hex(16)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import socket
 import sys
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -135,9 +137,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
              overrides: dict | None = None, local_procs: int | None = None) -> Any:
     """Run one process of a job and return ``main(job, world_size)``'s result on rank 0.
 
-    Pipeline mode: rank 0 calls ``main``, the other ranks serve stages. DDP mode: every
-    rank calls ``main``.
-
+    Pipeline mode: rank 0 calls ``main``, the other ranks serve stages. DDP mode: every rank calls ``main``.
     ``MASTER_ADDR`` / ``MASTER_PORT`` must be set (torchrun and :func:`launch_local` do).
     """
     _quiet()
@@ -151,6 +151,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     _remember_runs(served, attempt, env, rank)
     if job.mode == "ddp":
         return _run_ddp_rank(job, rank, world_size, main, env.local_rank)
+    if rank != 0 and threading.current_thread() is threading.main_thread():  # Ctrl-C is the master's to act on:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # see [Note: stopping a run] in rpcmp/train/stop.py
     _fresh_store_prefix(attempt)
     options = _backend_options(job, world_size)
     if Topology.needs_nodes(job):  # the grid follows the nodes: see [Note: replicas of a pipeline]

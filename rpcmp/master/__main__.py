@@ -14,6 +14,8 @@ Rank, world size and the rendezvous address come from torchrun's environment
 """
 from __future__ import annotations
 
+import sys
+
 import click
 
 from ..cli.options import job_options
@@ -29,12 +31,15 @@ def main(job_file, overrides):
     """Run JOB_FILE as one rank of a torchrun job."""
     from ..launch.env import LaunchEnv
     from ..launch.runtime import run_rank
+    from ..train.stop import exit_status
     from ..train.trainer import fit
     env = LaunchEnv.read()
     if env.missing:
         raise JobError(f"python -m rpcmp.master runs under torchrun, but {list(env.missing)} are not set: "
                        f"launch it with torchrun (see `python -m rpcmp.master --help`), or use `rpcmp run JOB --local N`")
-    run_rank(job_file, env.rank, env.world_size, fit, overrides)
+    status = exit_status(run_rank(job_file, env.rank, env.world_size, fit, overrides))
+    if status:  # stopped by a signal between two steps: see [Note: stopping a run]
+        sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from ..core.served import current
 from ..errors import JobError
 from ..data import datasets
 from .engine import RolledBack, make_engine
+from .stop import StopRequest
 from .timeline import write_chrome_trace
 
 __all__ = ["fit"]
@@ -31,11 +32,11 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         raise JobError(f"the training set has {len(train_set)} samples, fewer than one step of "
                        f"{job.batch_size} x {job.accumulate} (batch_size x accumulate)")
     console.print(engine.describe())
-    with health.explained(engine.explain):
-        return _train(job, engine, console, train_set, heldout, per_epoch)
+    with health.explained(engine.explain), StopRequest(engine.is_main and engine.mode == "pipeline") as stop:
+        return _train(job, engine, console, train_set, heldout, per_epoch, stop)
 
 
-def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) -> dict[str, Any]:
+def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, stop: StopRequest) -> dict[str, Any]:
     total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
     step, epoch, first_batch, run = _start(job, engine, console)
     run = _this_run(run, engine)
@@ -47,7 +48,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
     tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
     engine.after_step(step, (epoch, first_batch), first=True)  # with spares: a snapshot to recover from
     with Progress(*_progress_columns(), console=console, transient=False, disable=not engine.is_main) as progress:
-        while step < total:
+        while step < total and stop.signum is None:
             engine.train()
             groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
             task = progress.add_task("train", total=min(steps, first_batch + total - step), completed=first_batch,
@@ -79,10 +80,11 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                     except RolledBack as back:  # an owner lost while it wrote its part
                         (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
                         break
-                if step >= total:
+                if step >= total or stop.signum is not None:  # see [Note: stopping a run]
                     break
             if not rolled:
-                heldout_metric = engine.evaluate(heldout) if position[0] > epoch and step < total and before is not None else None
+                heldout_metric = (engine.evaluate(heldout) if position[0] > epoch and step < total and before is not None
+                                  and stop.signum is None else None)
                 if heldout_metric is not None:
                     progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {heldout_metric:.4f}")
                 log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),
@@ -92,7 +94,8 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int) ->
                 saved = _save(job, engine, run, step, epoch, first_batch)
     if job.checkpoint_dir and saved != step:
         _save(job, engine, run, step, epoch, first_batch)
-    return _finish(job, engine, console, log, tracer, heldout, before, losses, samples, step, time.perf_counter() - start)
+    return _finish(job, engine, console, log, tracer, heldout, before, losses, samples, step, time.perf_counter() - start,
+                   stop.name)
 
 
 def _this_run(run: str | None, engine) -> str:
@@ -119,12 +122,12 @@ def _progress_columns() -> tuple:
 
 
 def _finish(job, engine, console: Console, log, tracer, heldout, before, losses: list, samples: int, step: int,
-            elapsed: float) -> dict[str, Any]:
+            elapsed: float, stopped: str | None) -> dict[str, Any]:
     """The end of a run: the timeline, the held-out metric, the last metrics record and the summary."""
     tracer.finish(console)
-    after = engine.evaluate(heldout) if before is not None else None
+    after = engine.evaluate(heldout) if before is not None and stopped is None else None
     log.write(kind="end", step=step, metric_before=before, metric_after=after,
-              seconds=elapsed, samples_per_s=samples / elapsed if elapsed else 0.0)
+              seconds=elapsed, samples_per_s=samples / elapsed if elapsed else 0.0, stopped=stopped)
     log.close()
     engine.summary(console)
     if losses:
@@ -132,8 +135,12 @@ def _finish(job, engine, console: Console, log, tracer, heldout, before, losses:
                       f"{samples / elapsed:.1f} samples/s  {elapsed:.1f}s")
     if after is not None:
         console.print(f"held-out {job.metric_name}: [bold]{before:.4f} -> {after:.4f}[/]")
+    if stopped is not None:
+        console.print(f"stopped by {stopped} after step {step}: " + (
+            f"checkpoint in {job.checkpoint_dir}, continue with --resume" if job.checkpoint_dir
+            else "no --checkpoint-dir, so the trained steps are not saved"), soft_wrap=True)
     return {"losses": losses, "metric_before": before, "metric_after": after,
-            "samples_per_s": samples / elapsed if elapsed else 0.0, "steps": step}
+            "samples_per_s": samples / elapsed if elapsed else 0.0, "steps": step, "stopped": stopped}
 
 
 class Tracer:

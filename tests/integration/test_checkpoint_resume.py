@@ -1,5 +1,7 @@
 """Checkpoints: round trip under another split, consolidated into the plain model, atomic."""
 import os
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +12,7 @@ import segmentation_models_pytorch as smp
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, load, run_ranks
+from helpers import assert_close_f32, job_path, load, metric_steps, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from rpcmp.train.engine import PipelineEngine
 from rpcmp.train.trainer import _save, fit
@@ -151,3 +153,32 @@ def test_killing_the_writer_mid_save_keeps_the_previous_checkpoint(tmp_path):
     proc.wait(10)
     ckpt = load_checkpoint(str(tmp_path))
     assert ckpt["step"] == 1 and ckpt["model"]["w"].item() == 1.0
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_between_steps_saves_and_resume_trains_the_uninterrupted_model(tmp_path):
+    """Ctrl-C reaches every process of `--local 3` (one process group): the master finishes the step in
+    flight, writes a checkpoint and exits 130, the owners wait for its word; --resume then trains the model
+    of a run never stopped."""
+    rpcmp_cli = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+    common = [rpcmp_cli, "run", job_path("mlp"), "--local", "3", "--threads", "1", "--epochs", "10", "--max-steps", "200"]
+    stopped = subprocess.Popen([*common, "--checkpoint-dir", str(tmp_path / "a"), "--metrics", str(tmp_path / "m.jsonl")],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    at = random.randint(5, 60)
+    deadline = time.monotonic() + 120
+    while metric_steps(tmp_path / "m.jsonl") < at:
+        assert stopped.poll() is None and time.monotonic() < deadline, stopped.communicate()[0]
+        time.sleep(0.02)
+    os.killpg(stopped.pid, signal.SIGINT)
+    out, _ = stopped.communicate(timeout=120)
+    assert stopped.returncode == 130, out
+    step = int(re.search(r"stopped by SIGINT after step (\d+): checkpoint in", out).group(1))
+    assert load_checkpoint(str(tmp_path / "a"))["step"] == step >= at
+    assert not subprocess.run(["pgrep", "-f", str(tmp_path / "a")], capture_output=True).stdout
+    resumed = subprocess.run([*common, "--checkpoint-dir", str(tmp_path / "a"), "--resume"], capture_output=True,
+                             text=True, timeout=120)
+    assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
+    straight = subprocess.run([*common, "--checkpoint-dir", str(tmp_path / "b")], capture_output=True, text=True,
+                              timeout=120)
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    assert_close_f32(load_checkpoint(str(tmp_path / "a"))["model"], load_checkpoint(str(tmp_path / "b"))["model"])

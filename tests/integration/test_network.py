@@ -33,12 +33,25 @@ needs_netns = pytest.mark.skipif(NETNS_SKIP is not None, reason=f"network namesp
 
 
 def _cluster(tmp_path, *job_args, env=None, limit=400, nodes=3, per_node=1):
-    proc = subprocess.run(["bash", SCRIPT, "--nodes", str(nodes), "--nproc-per-node", str(per_node),
-                           "--timeout", str(limit - 60), "--logs", str(tmp_path), "--", *job_args],
-                          capture_output=True, text=True, timeout=limit,
-                          env={**os.environ, "PYTHON": sys.executable, "COLUMNS": "160", **(env or {})})
+    proc = subprocess.Popen(["bash", SCRIPT, "--nodes", str(nodes), "--nproc-per-node", str(per_node),
+                             "--timeout", str(limit - 60), "--logs", str(tmp_path), "--", *job_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHON": sys.executable, "COLUMNS": "160", **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=limit)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # the script's trap removes its namespaces
+            proc.wait(30)
+    assert not _namespaces_of(proc.pid), f"namespaces were left behind: {_namespaces_of(proc.pid)}\n{err}"
     logs = "".join(open(os.path.join(tmp_path, f)).read() for f in sorted(os.listdir(tmp_path)) if f.endswith(".log"))
-    return proc, logs
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), logs
+
+
+def _namespaces_of(script_pid: int) -> list[str]:
+    """The namespaces that the cluster script with this pid made and has not removed."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    return [n for n in listed if n.startswith(("rpcmp-n", "rpcmp-sw")) and n.endswith(f"-{script_pid}")]
 
 
 @needs_netns
@@ -53,8 +66,6 @@ def test_split_unet_on_three_namespaced_nodes_with_torchrun(tmp_path):
     assert m and float(m.group(2)) < float(m.group(1)), out
     assert "0:encoder@worker1/cpu" in out and "2:segmentation_head@master/cpu" in out
     assert not subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout
-    assert not [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
-                if n.startswith(("rpcmp-n", "rpcmp-sw"))], "namespaces were left behind"
 
 
 @needs_netns
@@ -190,6 +201,7 @@ def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_unin
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    assert not _namespaces_of(proc.pid), _namespaces_of(proc.pid)
     node_logs = "".join(open(logs / f).read() for f in sorted(os.listdir(logs)))
     assert proc.returncode == 0 and all(f"node{i}: exit 0" in out for i in range(3)), out + node_logs
     assert "resumed run" in node_logs and "continuing run" in node_logs, node_logs
@@ -298,6 +310,7 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_run_ends_equal_to_an_un
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+    assert not _namespaces_of(proc.pid), _namespaces_of(proc.pid)
     node_logs = "".join(open(logs / f).read() for f in sorted(os.listdir(logs)))
     assert node_logs.count("recovered: worker2 was lost") == 1, f"killed at step {at}\n" + node_logs
     assert "steps 200" in node_logs and "Traceback" not in node_logs, node_logs
