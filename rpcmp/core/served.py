@@ -98,6 +98,7 @@ class Served:
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
         self.nodes: list[str] | None = None  # Job(replicas=R): every rank's node, for the grid
         self.topology = None  # the run's rpcmp.plan.topology.Topology, computed once at start
+        self.store_address: tuple[str, int] | None = None  # the launch's store (rpcmp.core.store), from the launcher
         self.traces: dict = {}  # a traced model's split, per job and example (rpcmp.plan.partition._traces)
         # Under torchrun: this attempt's number, the run an earlier attempt trained (None: none did) and how
         # to tell a later attempt which run this one trains (see [Note: a restart resumes by itself]).
@@ -130,9 +131,10 @@ class Served:
 _CURRENT: list[Served] = []  # the one process-wide slot: see [Note: one object per process]
 
 
-def serve(job=None) -> Served:
+def serve(job=None, store_address: tuple[str, int] | None = None) -> Served:
     """Start serving a run in this process: a fresh :class:`Served` replaces any earlier one."""
     served = Served(job)
+    served.store_address = store_address
     _CURRENT[:] = [served]
     return served
 

@@ -2,15 +2,17 @@
 local launcher's, or a daemon master's (:func:`rpcmp.launch.network.bound_store`)."""
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from .served import current
+
 __all__ = ["launch_store"]
 
 
-def launch_store(seconds: float) -> dist.TCPStore:
-    """A client of the launch's store at ``MASTER_ADDR:MASTER_PORT``, waiting up to ``seconds`` for a key."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=seconds))
+def launch_store(seconds: float, address: tuple[str, int] | None = None) -> dist.TCPStore:
+    """A client of the launch's store, waiting up to ``seconds`` for a key: at ``address``, or where the
+    launch said this process's store is (``Served.store_address``, from ``MASTER_ADDR:MASTER_PORT``)."""
+    host, port = address or current().store_address
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=seconds))

@@ -33,6 +33,7 @@ class LaunchEnv:
     under_torchrun: bool  # an elastic agent's store and run id are there
     connect_timeout: float  # RPCMP_CONNECT_TIMEOUT / --connect-timeout
     missing: tuple[str, ...]  # which of torchrun's variables are not set
+    store_address: tuple[str, int] | None = None  # MASTER_ADDR:MASTER_PORT, the launch's store (rpcmp.core.store)
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> "LaunchEnv":
@@ -42,7 +43,9 @@ class LaunchEnv:
                    nodes=_int(env, "GROUP_WORLD_SIZE") or 1, restart=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
                    under_torchrun=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "TORCHELASTIC_RUN_ID" in env,
                    connect_timeout=float(env.get("RPCMP_CONNECT_TIMEOUT") or 60),
-                   missing=tuple(k for k in _TORCHRUN if k not in env))
+                   missing=tuple(k for k in _TORCHRUN if k not in env),
+                   store_address=(env["MASTER_ADDR"], int(env["MASTER_PORT"])) if env.get("MASTER_ADDR")
+                   and env.get("MASTER_PORT", "").strip() else None)
 
 
 def set_options(iface: str | None = None, connect_timeout: float | None = None) -> None:

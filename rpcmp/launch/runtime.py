@@ -147,7 +147,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     preflight(rank, env.nodes)
     torch.set_num_threads(job.threads or default_threads(local_procs or env.local_world_size or world_size))
     attempt = _agree_on_attempt(world_size, env)
-    served = serve(job)  # what this process serves, fresh for this run: see [Note: one object per process]
+    served = serve(job, env.store_address)  # what this process serves, fresh for this run: [Note: one object per process]
     _remember_runs(served, attempt, env, rank)
     if job.mode == "ddp":
         return _run_ddp_rank(job, rank, world_size, main, env.local_rank)
@@ -259,7 +259,7 @@ def _agree_on_attempt(world_size: int, env: LaunchEnv) -> int:
     """
     if not env.under_torchrun:
         return env.restart  # launch_local and daemons: a fresh store per run
-    attempt = (launch_store(60).add("rpcmp/arrived", 1) - 1) // world_size
+    attempt = (launch_store(60, env.store_address).add("rpcmp/arrived", 1) - 1) // world_size
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     return attempt
 

@@ -102,9 +102,9 @@ class DDPEngine:
         cls, kwargs = job.optimizer
         self.optimizer = cls(self.model.parameters(), **kwargs)
         self.scheduler = job.scheduler[0](self.optimizer, **job.scheduler[1]) if job.scheduler else None
-        self.scaler = torch.amp.GradScaler("cuda") if job.precision == "fp16" else None
         if job.precision == "fp16" and self.device.type != "cuda":
             raise JobError("precision='fp16' needs a GPU (loss scaling); use precision='bf16' on the CPU")
+        self.scaler = torch.amp.GradScaler("cuda") if job.precision == "fp16" else None
         self.is_main = self.rank == 0
         self.nonfinite = NonFinite(job.nonfinite, " (DDP mode)")
 
