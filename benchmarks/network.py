@@ -10,7 +10,10 @@ launch/netns-cluster.sh makes them); every node's link is shaped with ``tc``'s `
 only them and removes them at the end, also when it fails. Per rate and system: the median
 step time over the timed steps of each launch, the median over launches (the systems take turns,
 launch by launch), samples/s, and the bytes each node sent per step, read from the interfaces'
-counters around the timed steps. Writes bench-results/network.json and prints a table. The
+counters around the timed steps; for rpcmp, the bubble and the share of the activations' transfer
+time that the sending stage spent computing, from two more steps traced as ``--trace`` traces them
+(rpcmp.train.timeline; the trace files are in the node logs' folder). Writes
+bench-results/network.json and prints a table. The
 model, batch (16 of 1x128x128) and M = 4 are those of `make bench`'s split Unet.
 """
 from __future__ import annotations
@@ -161,9 +164,9 @@ class _Result:
     def __init__(self, path: str, timed: Timed):
         self.path, self.timed = path, timed
 
-    def put(self, value) -> None:
+    def put(self, value, trace: dict | None = None) -> None:
         with open(self.path + ".tmp", "w") as f:
-            json.dump({"step_s": value, "bytes": self.timed.bytes}, f)
+            json.dump({"step_s": value, "bytes": self.timed.bytes, "trace": trace}, f)
         os.replace(self.path + ".tmp", self.path)
 
 
@@ -186,10 +189,27 @@ def _node(system: str, rank: int, addr: str, port: int, out: str, namespaces: li
             import rpcmp
             x, y = bench.unet_data()
             pipe = rpcmp.Pipeline(job, world, sample=x)
-            return timed(lambda: pipe.train_step(x, y))
-        step_s = run_rank(os.path.join(HERE, "jobs", "unet.py"), rank, 3, main, overrides=overrides, local_procs=1)
+            step_s = timed(lambda: pipe.train_step(x, y))
+            return step_s, _trace(pipe, lambda: pipe.train_step(x, y), out + ".trace.json")
+        got = run_rank(os.path.join(HERE, "jobs", "unet.py"), rank, 3, main, overrides=overrides, local_procs=1)
         if rank == 0:
-            result.put(step_s)
+            result.put(*got)
+
+
+def _trace(pipe, step, path: str, steps: int = 2) -> dict:
+    """``steps`` more steps traced as ``--trace`` traces them (rpcmp.train.timeline): the bubble and the
+    share of the activations' transfer time that the sending stage spent computing."""
+    from rpcmp.train.timeline import write_chrome_trace
+    pipe.start_trace()
+    traced = []
+    for n in range(steps):
+        first = pipe.next_seq
+        step()
+        traced.append({"step": n + 1, "seqs": list(range(first, pipe.next_seq))})
+    events = pipe.stop_trace()
+    for st in traced:
+        st["events"] = events
+    return write_chrome_trace(path, traced, [s.name for s in pipe.specs], len(traced[0]["seqs"]))
 
 
 @click.group(invoke_without_command=True)
@@ -233,20 +253,24 @@ def _summary(system: str, runs: list[dict]) -> dict:
         nbytes = [r["bytes"][k] for r, k in zip(runs, best)]
     else:
         steps, names, nbytes = [r["step_s"] for r in runs], [None] * len(runs), [r["bytes"][0] for r in runs]
+    traces = [r["trace"] for r in runs if r.get("trace")]
     return {"step_s": statistics.median(steps), "per_launch": steps, "schedule": names,
-            "bytes_per_step": [statistics.median(b[i] for b in nbytes) for i in range(len(nbytes[0]))]}
+            "bytes_per_step": [statistics.median(b[i] for b in nbytes) for i in range(len(nbytes[0]))],
+            "bubble": statistics.median(t["bubble"] for t in traces) if traces else None,
+            "overlap": statistics.median(t["overlap"] for t in traces if t["overlap"] is not None) if traces else None}
 
 
 def _table(rate: str, got: dict) -> Table:
     table = Table(title=f"split Unet over 3 nodes, links {rate} (median step; bytes each node sent per step)")
     for col in ("system", "step", "samples/s", "vs pipelining", "MiB sent per step: node0 / node1 / node2",
-                "per launch"):
+                "bubble / transfers overlapped (--trace)", "per launch"):
         table.add_column(col, justify="left" if col == "system" else "right")
     peer = got["pipelining"]["step_s"]
     for system, r in got.items():
         label = system + (f" ({r['schedule'][0]})" if r["schedule"][0] else "")
         table.add_row(label, f"{r['step_s'] * 1e3:.0f} ms", f"{SAMPLES / r['step_s']:.1f}", f"{r['step_s'] / peer:.2f}",
                       " / ".join(f"{b / 2**20:.1f}" for b in r["bytes_per_step"]),
+                      "-" if r.get("bubble") is None else f"{r['bubble']:.2f} / {r['overlap']:.0%}",
                       ", ".join(f"{s * 1e3:.0f}" for s in r["per_launch"]))
     return table
 

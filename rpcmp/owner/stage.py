@@ -216,8 +216,12 @@ def _done(value: Any) -> torch.futures.Future:
 
 
 @rpc.functions.async_execution
-def forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures.Future:
+def forward(pid: int, index: int, seq: int, x: Any, grad: bool, sent: float | None = None) -> torch.futures.Future:
+    """Run micro-batch ``seq`` through stage ``index`` and hand it on. ``sent``: while tracing, when the stage
+    before started sending it (its transfer is a slice of the timeline: rpcmp.train.timeline)."""
     host = current().host(pid, index)
+    if sent is not None and host.events is not None:
+        host.events.append(("T", seq, sent, time.time()))
     try:
         y = host.run(seq, x, grad)
     except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
@@ -232,7 +236,8 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool) -> torch.futures
         y, posts = y
         posted = [rpc.rpc_async(host.owners[j], post, args=(pid, j, seq, values)) for j, values in posts.items()]
     if host.next_process is not None:
-        nxt = rpc.rpc_async(host.next_process, forward, args=(pid, index + 1, seq, y, grad))
+        traced = (time.time(),) if host.events is not None else ()
+        nxt = rpc.rpc_async(host.next_process, forward, args=(pid, index + 1, seq, y, grad, *traced))
     elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
         host.deliver(pid, seq, y)
         nxt = _done(None)

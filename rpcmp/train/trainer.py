@@ -169,8 +169,9 @@ class Tracer:
             return
         summary = write_chrome_trace(self.job.trace_file, self.steps, self.engine.stage_names(),
                                      len(self.steps[0]["seqs"]))
+        hidden = "" if summary["overlap"] is None else f"; transfers overlapped by compute {summary['overlap']:.0%}"
         console.print(f"trace of steps {summary['steps']} written to {self.job.trace_file}: bubble "
-                      f"{summary['bubble']:.3f} measured, {summary['ideal_bubble']:.3f} ideal (S-1)/(M+S-1)")
+                      f"{summary['bubble']:.3f} measured, {summary['ideal_bubble']:.3f} ideal (S-1)/(M+S-1){hidden}")
 
 
 class MetricsLog:

@@ -27,3 +27,20 @@ def test_the_trace_keeps_each_steps_own_micro_batches(tmp_path):
     assert names == {0: "stage 0 a", 1: "stage 1 b"}
     assert summary["steps"] == [3, 4] and summary["ideal_bubble"] == pytest.approx(1 / 3)
     assert summary["bubble_per_step"][1] == pytest.approx(0.5) and data["otherData"] == summary
+
+
+def test_transfers_get_a_row_per_boundary_and_the_share_the_sender_computed_meanwhile(tmp_path):
+    # micro-batch 0 leaves stage 0 at 1.0 and arrives at 2.0 while stage 0 computes micro-batch 1 (1.0-1.5):
+    # half the transfer is hidden; micro-batch 1's (1.5-2.5) overlaps nothing of stage 0
+    events = {0: [("F", 0, 0.0, 1.0), ("F", 1, 1.0, 1.5)],
+              1: [("T", 0, 1.0, 2.0), ("F", 0, 2.0, 3.0), ("T", 1, 1.5, 2.5), ("F", 1, 3.0, 4.0)]}
+    path = tmp_path / "trace.json"
+    summary = write_chrome_trace(str(path), [{"step": 1, "seqs": [0, 1], "events": events}], ["a", "b"], microbatches=2)
+    data = json.loads(path.read_text())
+    transfers = [(e["name"], e["tid"], e["cat"]) for e in data["traceEvents"] if e["ph"] == "X" and e["cat"] == "transfer"]
+    assert transfers == [("T0", 3, "transfer"), ("T1", 3, "transfer")]
+    names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
+    assert names == {0: "stage 0 a", 1: "stage 1 b", 3: "transfer 0 -> 1"}
+    assert summary["overlap"] == pytest.approx(0.5 / 2.0)
+    # transfers are no compute: stage 1 busy 2-4, stage 0 busy 0-1.5, span 0-4 on 2 stages
+    assert summary["bubble"] == pytest.approx(1 - 3.5 / 8)
