@@ -2,7 +2,7 @@
 
 __all__ = ["RpcmpError", "JobError", "PartitionError", "PlacementError", "MicroBatchError", "StageOutputError", "StageError",
            "WorkerLostError", "NonFiniteLossError", "CheckpointError", "CheckpointWriteError", "LaunchError",
-           "RunAbortedError", "NetworkError"]
+           "RunAbortedError", "NetworkError", "StepCancelled"]
 
 
 class RpcmpError(Exception):
@@ -36,6 +36,10 @@ class StageError(RpcmpError, RuntimeError):
 
     def __reduce__(self):  # keeps the tracebacks through pickling (RPC, result queues)
         return (type(self), (str(self), self.details, self.full_traceback))
+
+
+class StepCancelled(StageError):
+    """A micro-batch not run because its step had already failed elsewhere (never the error a step reports)."""
 
 
 class StageOutputError(MicroBatchError, StageError):

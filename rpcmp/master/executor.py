@@ -19,6 +19,7 @@ from . import inbox
 from ..core.microbatch import batch_size, has_tensors, map_tensors, scatter
 from ..plan.schedule import Context, Plan, make_plan
 from ..plan.lengths import check_sizes
+from ..errors import StepCancelled
 
 __all__ = ["run_step", "Steppable"]
 
@@ -74,6 +75,7 @@ class _MicroBatches:
         self.ys = scatter(y, m) if has_tensors(y) else [y] * m
         self.seqs = pipe.next_seqs(m)
         self.ctx_ids, self.losses, self.errors = [0] * m, [None] * m, []
+        self.lock = threading.Lock()
         self.backward_done, self.stepped = threading.Barrier(m + 1), threading.Event()
         self.merged = [threading.Event() for _ in range(m)]
         self.outs = [None] * m if m > 1 and not pipe.loss_checked else None  # kept once, for check_loss
@@ -98,7 +100,8 @@ class _MicroBatches:
         if self.errors:
             inbox.abandon(pipe.pid, self.seqs)
             pipe.resync()
-            raise min(self.errors, key=lambda e: e[0])[1]  # the first micro-batch's failure, whichever thread saw one first
+            # the first micro-batch's failure, whichever thread saw one first; not one the failure cancelled
+            raise min((e for e in self.errors if not isinstance(e[1], StepCancelled)), key=lambda e: e[0])[1]
         total = torch.stack(self.losses).sum()
         if self.outs is not None:
             pipe.check_loss(self.outs, self.y, total)
@@ -108,6 +111,8 @@ class _MicroBatches:
         try:
             if self.plan.admit_after[i] is not None:  # 1f1b: at most S micro-batches in flight
                 self.merged[self.plan.admit_after[i]].wait()
+                if self.errors:
+                    return  # the step failed meanwhile: this one is not started
             with dist_autograd.context() as ctx:
                 self.ctx_ids[i] = ctx
                 self._forward_backward(i, ctx)
@@ -120,10 +125,19 @@ class _MicroBatches:
         except threading.BrokenBarrierError:
             pass
         except BaseException as exc:  # noqa: BLE001 - re-raised by run()
+            self._failed(i, exc)
+
+    def _failed(self, i: int, exc: BaseException) -> None:
+        """Micro-batch ``i`` failed: so does the step. The first failure lets every waiting thread go and
+        has the owners drop the micro-batches that have not started (a lost owner's step winds down sooner)."""
+        with self.lock:
+            first = not self.errors
             self.errors.append((i, exc))
-            self.backward_done.abort()
-            for event in self.merged:
-                event.set()
+        if first:
+            inbox.cancel(self.pipe.pid, [s for k, s in enumerate(self.seqs) if k != i], self.pipe.owners)
+        self.backward_done.abort()
+        for event in self.merged:
+            event.set()
 
     def _forward_backward(self, i: int, ctx: int) -> None:
         pipe = self.pipe

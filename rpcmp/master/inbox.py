@@ -13,7 +13,7 @@ from ..owner import stage
 from ..core.failure import Failure
 from ..core.served import current
 
-__all__ = ["send", "deliver", "abandon"]
+__all__ = ["send", "deliver", "abandon", "cancel"]
 
 
 def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) -> torch.futures.Future:
@@ -57,3 +57,20 @@ def deliver(pid: int, seq: int, y: Any) -> None:
 def abandon(pid: int, seqs: list[int]) -> None:
     """A failed step gives up the outputs it still waits for."""
     current().inbox.drop([(pid, seq) for seq in seqs])
+
+
+def cancel(pid: int, seqs: list[int], owners: list[str]) -> None:
+    """A step failed: every owner drops the micro-batches ``seqs`` that have not started on it (fire and
+    forget: an owner that is gone has nothing to drop, and the step waits for what did start)."""
+    for owner in sorted(set(owners)):
+        try:
+            rpc.rpc_async(owner, stage.cancel, args=(pid, seqs)).add_done_callback(_ignore)
+        except Exception:  # noqa: BLE001 - an owner that is gone
+            pass
+
+
+def _ignore(fut: torch.futures.Future) -> None:
+    try:
+        fut.wait()
+    except Exception:  # noqa: BLE001 - an owner that is gone
+        pass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import StageError
+from ..errors import StageError, StepCancelled
 
 __all__ = ["InOrder"]
 
@@ -23,6 +23,7 @@ class InOrder:
         self.who, self.timeout, self.mail_names = who, timeout, tuple(mail_names)
         self.next = 0  # the micro-batch whose turn it is
         self._skipped: set[int] = set()
+        self._cancelled: set[int] = set()
         self._mail: dict[int, dict] = {}
         self._cond = threading.Condition()
 
@@ -32,6 +33,8 @@ class InOrder:
             if not self._cond.wait_for(lambda: self.next >= seq, timeout=self.timeout):
                 raise StageError(f"{self.who} waited {self.timeout:.0f}s for micro-batch {self.next} before {seq}; "
                                  f"an earlier micro-batch was lost upstream")
+            if seq in self._cancelled:
+                raise StepCancelled(f"{self.who}: micro-batch {seq} not run, its step failed elsewhere")
             if not self.mail_names:
                 return {}
             if not self._cond.wait_for(lambda: len(self._mail.get(seq, ())) == len(self.mail_names),
@@ -54,6 +57,13 @@ class InOrder:
                 self._skipped.add(seq)
                 self._advance()
 
+    def cancel(self, seqs: list[int]) -> None:
+        """The step of ``seqs`` failed: those that have not entered yet fail at once instead of running
+        (the master waits for every micro-batch of a failed step before it recovers or reports)."""
+        with self._cond:
+            self._cancelled.update(s for s in seqs if s >= self.next)
+            self._cond.notify_all()
+
     def receive(self, seq: int, values: dict) -> None:
         """Values an earlier stage posted for ``seq``."""
         with self._cond:
@@ -66,6 +76,7 @@ class InOrder:
         with self._cond:
             self.next = next_seq
             self._skipped.clear()
+            self._cancelled.clear()
             self._mail.clear()
             self._cond.notify_all()
 

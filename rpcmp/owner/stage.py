@@ -47,7 +47,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from .admission import InOrder
-from ..errors import StageError
+from ..errors import StageError, StepCancelled
 from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
 from ..core.microbatch import WIRE, check_tensors, from_wire, map_tensors, tensors, to_device, to_wire
@@ -225,8 +225,8 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool, sent: float | No
     try:
         y = host.run(seq, x, grad)
     except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
-        if type(exc) is StageError:  # the gate waited out its timeout: its message says it all
-            return _done(Failure(str(exc)))
+        if type(exc) in (StageError, StepCancelled):  # from the gate (a timeout, a failed step): the message says it all
+            return _done(Failure(str(exc), kind=type(exc).__name__))
         return _done(Failure.of(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
                                 f"{type(exc).__name__}: {exc}", exc))
     if grad and host.reduce is not None:
@@ -339,6 +339,12 @@ def skip(pid: int, index: int, seq: int) -> None:
     host = current().hosts.get((pid, index))
     if host is not None:
         host.gate.skip(seq)
+
+
+def cancel(pid: int, seqs: list[int]) -> None:
+    """The step of micro-batches ``seqs`` failed: this process's stages of pipeline ``pid`` do not start them."""
+    for host in current().hosts_of(pid):
+        host.gate.cancel(seqs)
 
 
 def named_params(pid: int) -> dict[torch.Tensor, str]:

@@ -6,7 +6,8 @@ The first SIGINT or SIGTERM to the master lets the step in flight finish, writes
 exits ``128 + signal`` (130, 143): the run did not finish, and ``--resume`` continues it from that
 step. A second signal stops at once, as before. The master alone acts on it: an owner ignores
 SIGINT (Ctrl-C in a terminal reaches every process of ``--local N``, which would otherwise lose a
-stage mid-step) and waits for the master's word. DDP mode, where every rank trains and stopping
+stage mid-step) and waits for the master's word. A signal the master was started to ignore (``nohup``,
+a background job) stays ignored. DDP mode, where every rank trains and stopping
 would have to be agreed by a collective each step, keeps the default handlers; so does a master
 that does not run in its process's main thread.
 """
@@ -34,8 +35,8 @@ class StopRequest:
         return None if self.signum is None else signal.Signals(self.signum).name
 
     def __enter__(self) -> "StopRequest":
-        if self.enabled:
-            self._old = {s: signal.signal(s, self._received) for s in _SIGNALS}
+        if self.enabled:  # a signal the process was started to ignore (nohup, a background job) stays ignored
+            self._old = {s: signal.signal(s, self._received) for s in _SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc) -> None:

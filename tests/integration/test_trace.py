@@ -1,5 +1,6 @@
 """--trace writes a valid Chrome trace: a slice per stage per micro-batch, forward and
-backward, and a bubble figure that agrees with those slices."""
+backward, one per activation transfer between the stages, and a bubble and an overlap figure
+that agree with those slices."""
 import json
 import os
 import re
@@ -39,17 +40,25 @@ def test_trace_has_every_slice_and_a_consistent_bubble(tmp_path):
     assert summary["ideal_bubble"] == pytest.approx(1 / 5)
     slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
     for step, reported in zip(summary["steps"], summary["bubble_per_step"]):
-        mine = [e for e in slices if e["args"]["step"] == step]
+        moved = [e for e in slices if e["args"]["step"] == step and e["cat"] == "transfer"]
+        mine = [e for e in slices if e["args"]["step"] == step and e["cat"] != "transfer"]
         for stage in (0, 1):
             names = sorted(e["name"] for e in mine if e["tid"] == stage)
             assert names == sorted([f"F{m}" for m in range(4)] + [f"B{m}" for m in range(4)])
+        # every micro-batch crosses from stage 0 to stage 1 (row 2 + 1) after stage 0's forward began, and
+        # arrives before stage 1's forward of it begins
+        assert sorted(e["name"] for e in moved if e["tid"] == 3) == [f"T{m}" for m in range(4)]
+        for t in moved:
+            f0, f1 = (next(e for e in mine if e["tid"] == s and e["name"] == f"F{t['args']['micro_batch']}") for s in (0, 1))
+            assert f0["ts"] <= t["ts"] and t["ts"] + t["dur"] <= f1["ts"] + 1, (f0, t, f1)
         start = min(e["ts"] for e in mine)
         span = max(e["ts"] + e["dur"] for e in mine) - start
         busy = sum(_busy([(e["ts"], e["ts"] + e["dur"]) for e in mine if e["tid"] == s]) for s in (0, 1))
         assert reported == pytest.approx(1 - busy / (2 * span), abs=1e-6)
         assert 0 <= reported < 1
-    m = re.search(r"bubble ([\d.]+) measured, ([\d.]+) ideal", proc.stdout)
+    m = re.search(r"bubble ([\d.]+) measured, ([\d.]+) ideal .*transfers overlapped by compute (\d+)%", proc.stdout)
     assert m and float(m.group(1)) == pytest.approx(summary["bubble"], abs=1e-3)
+    assert 0 <= summary["overlap"] <= 1 and abs(int(m.group(3)) - summary["overlap"] * 100) <= 0.51
 
 
 def _run_traced(tmp_path, schedule):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rpcmp.errors import StepCancelled
 from rpcmp.master import executor, inbox
 from rpcmp.master.sync import LocalMerge
 from rpcmp.plan.schedule import make_plan
@@ -29,7 +30,7 @@ class FakePipe:
     """What :class:`rpcmp.master.executor.Steppable` names, and nothing else: the last stage's
     output is ``2 * x``, answered after a random delay from another thread."""
 
-    def __init__(self, stages: int, fail: set[int] = frozenset(), seed: int = 0):
+    def __init__(self, stages: int, fail: set[int] = frozenset(), seed: int = 0, delays: dict | None = None):
         self.pid, self.job = 7, SimpleNamespace(loss=lambda out, y: ((out - y) ** 2).mean())
         self.specs, self.places = [SimpleNamespace(sizes=())] * stages, [SimpleNamespace(process="first")]
         self.owners, self.optimizer, self.loss_checked = ["first"] * stages, object(), True
@@ -37,6 +38,11 @@ class FakePipe:
         self.sync, self.seq, self.abandoned, self.resyncs = _Recorder(self.events), 0, [], 0
         self.in_flight = self.most_in_flight = 0
         self.local = threading.local()
+        self.delays, self.cancelled = delays or {}, set()
+
+    def cancel(self, seqs):
+        """inbox.cancel: the owners fail what has not started on them (rpcmp.owner.admission.InOrder.cancel)."""
+        self.cancelled.update(seq - self.seqs0 for seq in seqs)
 
     def micro_threads(self, count):
         return ThreadPoolExecutor(max_workers=count)
@@ -57,9 +63,11 @@ class FakePipe:
         def answer():
             if i in self.fail:
                 fut.set_exception(RuntimeError(f"stage 1 failed on micro-batch {i}"))
+            elif i in self.cancelled:
+                fut.set_exception(StepCancelled(f"stage 1: micro-batch {i} not run, its step failed elsewhere"))
             else:
                 fut.set_result(2 * x)
-        threading.Timer(self.rng.uniform(0, 0.02), answer).start()
+        threading.Timer(self.delays.get(i, self.rng.uniform(0, 0.02)), answer).start()
         return fut
 
     def forward(self, x, grad, chunks=None):
@@ -91,6 +99,7 @@ def fake(monkeypatch, world):
         pipe.seqs0 = pipe.seq
         monkeypatch.setattr(inbox, "send", pipe.send)
         monkeypatch.setattr(inbox, "abandon", lambda pid, seqs: pipe.abandoned.append((pid, seqs)))
+        monkeypatch.setattr(inbox, "cancel", lambda pid, seqs, owners: pipe.cancel(seqs))
         return pipe
     return make
 
@@ -144,6 +153,20 @@ def test_a_failed_micro_batch_raises_the_first_failure_and_steps_nothing(fake, s
     pipe.events.clear()
     executor.run_step(pipe, schedule, x, y, 4)  # the next step runs whole
     assert [e[0] for e in pipe.events].count("step") == 1
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
+def test_the_first_failure_cancels_the_rest_and_is_the_one_reported(fake, schedule):
+    # micro-batch 1 fails first; the others answer later and are cancelled by then: the step reports 1's own
+    # failure, not 0's cancellation; with 1f1b, 2 and 3 (admitted after 0's and 1's merges) never start
+    pipe = fake(2, fail={1}, delays={0: 0.3, 1: 0.0, 2: 0.3, 3: 0.3})
+    x, y = _batch(8)
+    with pytest.raises(RuntimeError, match="stage 1 failed on micro-batch 1$"):
+        executor.run_step(pipe, schedule, x, y, 4)
+    assert pipe.cancelled == {0, 2, 3}
+    entered = {e[1] for e in pipe.events if e[0] == "enter"}
+    assert entered == ({0, 1, 2, 3} if schedule == "overlap" else {0, 1})
+    assert not [e for e in pipe.events if e[0] == "step"] and pipe.resyncs == 1
 
 
 def test_a_batch_smaller_than_the_micro_batch_count_is_refused(fake):

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from rpcmp.owner.admission import InOrder
-from rpcmp.errors import StageError
+from rpcmp.errors import StageError, StepCancelled
 
 
 def _run_all(gate, seqs, ran, hold=0.0):
@@ -74,3 +74,19 @@ def test_reset_after_a_failed_step_starts_from_the_masters_next_number():
     gate.enter(7)
     gate.leave(7)
     assert gate.next == 8
+
+
+def test_a_failed_step_cancels_what_has_not_entered_and_a_reset_forgets_it():
+    gate = InOrder("stage 1", timeout=10)
+    gate.enter(0)
+    gate.cancel([0, 1, 2])  # 0 is running: it finishes; 1 and 2 fail at once when they come
+    gate.leave(0)
+    with pytest.raises(StepCancelled, match="micro-batch 1 not run, its step failed elsewhere"):
+        gate.enter(1)
+    gate.leave(1)
+    with pytest.raises(StepCancelled):
+        gate.enter(2)
+    gate.leave(2)
+    gate.reset(3)
+    gate.cancel([1])  # an old number changes nothing
+    assert gate.enter(3) == {}

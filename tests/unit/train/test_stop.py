@@ -7,7 +7,17 @@ import pytest
 from rpcmp.train.stop import StopRequest, exit_status
 
 
-def test_the_first_signal_is_recorded_the_second_interrupts_and_the_handlers_come_back():
+@pytest.fixture
+def handlers():
+    """Python's own handlers, whatever the test runner installed (a pytest-xdist worker ignores SIGINT)."""
+    saved = {s: signal.signal(s, h) for s, h in ((signal.SIGINT, signal.default_int_handler),
+                                                  (signal.SIGTERM, signal.SIG_DFL))}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def test_the_first_signal_is_recorded_the_second_interrupts_and_the_handlers_come_back(handlers):
     before = signal.getsignal(signal.SIGINT)
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
@@ -17,7 +27,15 @@ def test_the_first_signal_is_recorded_the_second_interrupts_and_the_handlers_com
     assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
-def test_disabled_it_leaves_the_handlers_alone():
+def test_an_ignored_signal_stays_ignored(handlers):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with StopRequest() as stop:
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.signum is None
+
+
+def test_disabled_it_leaves_the_handlers_alone(handlers):
     with StopRequest(enabled=False) as stop:
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
         assert stop.signum is None and stop.name is None
