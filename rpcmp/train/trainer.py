@@ -171,7 +171,8 @@ class Tracer:
                                      len(self.steps[0]["seqs"]))
         hidden = "" if summary["overlap"] is None else f"; transfers overlapped by compute {summary['overlap']:.0%}"
         console.print(f"trace of steps {summary['steps']} written to {self.job.trace_file}: bubble "
-                      f"{summary['bubble']:.3f} measured, {summary['ideal_bubble']:.3f} ideal (S-1)/(M+S-1){hidden}")
+                      f"{summary['bubble']:.3f} measured, {summary['ideal_bubble']:.3f} ideal (S-1)/(M+S-1){hidden}",
+                      soft_wrap=True)  # one line: the file's path whole
 
 
 class MetricsLog:
