@@ -101,7 +101,8 @@ class _MicroBatches:
             inbox.abandon(pipe.pid, self.seqs)
             pipe.resync()
             # the first micro-batch's failure, whichever thread saw one first; not one the failure cancelled
-            raise min((e for e in self.errors if not isinstance(e[1], StepCancelled)), key=lambda e: e[0])[1]
+            real = [e for e in self.errors if not isinstance(e[1], StepCancelled)] or self.errors
+            raise min(real, key=lambda e: e[0])[1]
         total = torch.stack(self.losses).sum()
         if self.outs is not None:
             pipe.check_loss(self.outs, self.y, total)
