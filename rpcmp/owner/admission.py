@@ -30,10 +30,12 @@ class InOrder:
     def enter(self, seq: int) -> dict:
         """Wait until it is ``seq``'s turn (and its posted values are here); return those values."""
         with self._cond:
-            if not self._cond.wait_for(lambda: self.next >= seq, timeout=self.timeout):
+            if not self._cond.wait_for(lambda: self.next >= seq or seq in self._cancelled, timeout=self.timeout):
                 raise StageError(f"{self.who} waited {self.timeout:.0f}s for micro-batch {self.next} before {seq}; "
                                  f"an earlier micro-batch was lost upstream")
-            if seq in self._cancelled:
+            if seq in self._cancelled:  # not run, and no later one waits for it
+                self._skipped.add(seq)
+                self._advance()
                 raise StepCancelled(f"{self.who}: micro-batch {seq} not run, its step failed elsewhere")
             if not self.mail_names:
                 return {}

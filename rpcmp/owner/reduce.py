@@ -30,6 +30,16 @@ in every copy (averaged), in none (left alone), or in some only, which every cop
 refuses alike instead of leaving a peer inside a collective. Every stage of every copy
 takes part in exactly one ``all_reduce`` per step, also when the step fails
 (:meth:`StepReduce.settle` joins with zeros), so the next step's collectives pair up.
+
+[Note: one copy's statistics]
+Each copy's BatchNorm moves its running statistics on its own share of the batch, so the
+copies' statistics drift apart while their parameters stay equal; a copy rebuilt from another
+after a loss (see :mod:`rpcmp.master.livecopy`) then held the other's statistics, not its
+own, and the model was not an uninterrupted run's. The same flat buffer carries them: copy 0
+puts in its running statistics, the others zeros, and every copy takes the sum, copy 0's, as
+DDP broadcasts rank 0's buffers (``broadcast_buffers=True``). Copy 0's statistics are exactly
+what they were before (the model a run saves is unchanged), and the copies are identical after
+every step, statistics included.
 """
 from __future__ import annotations
 
@@ -67,8 +77,9 @@ class StepReduce:
     """One stage's gradients of one step on its owner (see [Note: the average overlaps the backward])."""
 
     def __init__(self, params: dict[str, torch.Tensor], where: str, group, copies: int,
-                 first_seq: int, count: int, hook: bool):
+                 first_seq: int, count: int, hook: bool, stats: list[torch.Tensor] = ()):
         self.names, self.params = list(params), list(params.values())
+        self.stats = list(stats)  # running statistics: every copy takes copy 0's (see [Note: one copy's statistics])
         self._mine = set(self.params)
         self._base: dict | None = None  # the first context's gradients, read once
         self.where, self.group, self.copies = where, group, copies
@@ -136,9 +147,12 @@ class StepReduce:
         parts = [grads[p].reshape(-1) if p in grads else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                  for p in self.params]
         dtype = parts[0].dtype if parts else torch.float32
+        first = not zeros and (self.group.rank() if self.group is not None else dist.get_rank()) == 0
+        stats = [b.detach().reshape(-1).to(dtype) if first else torch.zeros(b.numel(), dtype=dtype, device=b.device)
+                 for b in self.stats]
         had = torch.tensor([p in grads for p in self.params], dtype=dtype,
                            device=parts[0].device if parts else None)
-        self.flat = torch.cat([*parts, had])
+        self.flat = torch.cat([*parts, *stats, had])
         self.times[0] = time.perf_counter()
         self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
 
@@ -166,6 +180,10 @@ class StepReduce:
             if p in grads:
                 grads[p].copy_(flat[offset:offset + p.numel()].view_as(p)).div_(self.copies)
             offset += p.numel()
+        with torch.no_grad():
+            for b in self.stats:  # copy 0's, summed with the others' zeros
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
 
     @property
     def seconds(self) -> tuple[float, float]:

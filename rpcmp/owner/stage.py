@@ -282,7 +282,8 @@ def begin_reduce(pid: int, first_seq: int, count: int, per_microbatch: bool) -> 
         group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}",
                                  group, group.size(), first_seq,
-                                 count if per_microbatch else 1, hook=per_microbatch and not host.posts)
+                                 count if per_microbatch else 1, hook=per_microbatch and not host.posts,
+                                 stats=running_stats(host.module))
 
 
 def _count_reduce(host: StageHost) -> None:
@@ -339,6 +340,13 @@ def skip(pid: int, index: int, seq: int) -> None:
     host = current().hosts.get((pid, index))
     if host is not None:
         host.gate.skip(seq)
+
+
+def running_stats(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The running statistics of the norm layers in ``module`` (BatchNorm, InstanceNorm with
+    ``track_running_stats``): what each copy of a replicated stage moves on its own share."""
+    return [b for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+            for b in (m.running_mean, m.running_var) if b is not None]
 
 
 def cancel(pid: int, seqs: list[int]) -> None:

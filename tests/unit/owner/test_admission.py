@@ -79,14 +79,13 @@ def test_reset_after_a_failed_step_starts_from_the_masters_next_number():
 def test_a_failed_step_cancels_what_has_not_entered_and_a_reset_forgets_it():
     gate = InOrder("stage 1", timeout=10)
     gate.enter(0)
-    gate.cancel([0, 1, 2])  # 0 is running: it finishes; 1 and 2 fail at once when they come
+    gate.cancel([0, 1, 2])  # 0 is running: it finishes; 1 and 2 fail at once when they come, in any order
+    with pytest.raises(StepCancelled, match="micro-batch 2 not run, its step failed elsewhere"):
+        gate.enter(2)  # does not wait for 0 and 1
     gate.leave(0)
-    with pytest.raises(StepCancelled, match="micro-batch 1 not run, its step failed elsewhere"):
-        gate.enter(1)
-    gate.leave(1)
     with pytest.raises(StepCancelled):
-        gate.enter(2)
-    gate.leave(2)
+        gate.enter(1)  # a failed enter is not followed by leave (rpcmp.owner.stage.StageHost.run)
+    assert gate.next == 3  # nothing later waits for them
     gate.reset(3)
     gate.cancel([1])  # an old number changes nothing
     assert gate.enter(3) == {}
