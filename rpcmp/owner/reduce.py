@@ -89,6 +89,7 @@ class StepReduce:
         self.next = 0  # the next micro-batch to merge into the first's context
         self.error: Exception | None = None
         self.flat = self.work = None
+        self.copy0 = True  # this copy is copy 0 of the stage (known when the all_reduce starts)
         self.early = False  # the all_reduce was started by the backward, not by the master
         self.times = [0.0, 0.0, 0.0]  # when the all_reduce started, when the master asked for it, when it ended
         self.closed = False
@@ -147,7 +148,8 @@ class StepReduce:
         parts = [grads[p].reshape(-1) if p in grads else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                  for p in self.params]
         dtype = parts[0].dtype if parts else torch.float32
-        first = not zeros and (self.group.rank() if self.group is not None else dist.get_rank()) == 0
+        self.copy0 = (self.group.rank() if self.group is not None else dist.get_rank()) == 0
+        first = not zeros and self.copy0
         stats = [b.detach().reshape(-1).to(dtype) if first else torch.zeros(b.numel(), dtype=dtype, device=b.device)
                  for b in self.stats]
         had = torch.tensor([p in grads for p in self.params], dtype=dtype,
@@ -181,8 +183,9 @@ class StepReduce:
                 grads[p].copy_(flat[offset:offset + p.numel()].view_as(p)).div_(self.copies)
             offset += p.numel()
         with torch.no_grad():
-            for b in self.stats:  # copy 0's, summed with the others' zeros
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            for b in self.stats:  # copy 0's, summed with the others' zeros (copy 0 keeps its own, not rounded)
+                if not self.copy0:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
                 offset += b.numel()
 
     @property
