@@ -61,16 +61,10 @@ def abandon(pid: int, seqs: list[int]) -> None:
 
 def cancel(pid: int, seqs: list[int], owners: list[str]) -> None:
     """A step failed: every owner drops the micro-batches ``seqs`` that have not started on it (fire and
-    forget: an owner that is gone has nothing to drop, and the step waits for what did start)."""
+    forget, as :func:`send` tells owners to skip: an owner that is gone has nothing to drop, and the step
+    waits for what did start)."""
     for owner in sorted(set(owners)):
         try:
-            rpc.rpc_async(owner, stage.cancel, args=(pid, seqs)).add_done_callback(_ignore)
+            rpc.rpc_async(owner, stage.cancel, args=(pid, seqs))
         except Exception:  # noqa: BLE001 - an owner that is gone
             pass
-
-
-def _ignore(fut: torch.futures.Future) -> None:
-    try:
-        fut.wait()
-    except Exception:  # noqa: BLE001 - an owner that is gone
-        pass
