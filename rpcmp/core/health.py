@@ -31,7 +31,7 @@ import torch.distributed.rpc as rpc
 from ..errors import StageError, WorkerLostError
 from .served import RunStatus
 
-__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained"]
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unresponsive"]
 
 
 def _ping() -> int:
@@ -52,6 +52,7 @@ def _identity() -> tuple[int, str]:
 
 
 def unresponsive(processes, timeout: float) -> list[str]:
+    """The processes that do not answer a ping within ``timeout`` seconds (a dead one fails at once)."""
     futs = {p: rpc.rpc_async(p, _ping, timeout=timeout) for p in processes}
     bad = []
     for p, fut in futs.items():

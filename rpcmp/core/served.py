@@ -93,6 +93,7 @@ class Served:
         self.status = RunStatus()
         self.outcome: bool | None = None  # on a worker: whether the master said the run ended normally
         self.graceful = True  # on a worker: whether the master said every process takes part in the shutdown
+        self.told = threading.Event()  # on a worker: set when the master has said how the run ended
         self.device = None  # DDP mode: this rank's device
         self.heartbeats = None  # DDP mode: this rank's rpcmp.core.health.Heartbeats
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies

@@ -22,18 +22,18 @@ import torch.distributed.rpc as rpc
 
 from ..errors import RunAbortedError, StageError
 from ..errors import WorkerLostError
-from ..core.health import Watchdog
+from ..core.health import Watchdog, unresponsive
 from ..job import Job, load_job
 from ..core.store import launch_store
 from .network import preflight
-from ..plan.placement import device_maps_for, process_name
+from ..plan.placement import MASTER, device_maps_for, process_name
 from ..plan.topology import Topology
 from .env import LaunchEnv
 from .groups import join_stage_groups, leave_stage_groups, share_nodes
 from ..core.served import current, serve
 from ..owner.move import leave_soon
 
-__all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
+__all__ = ["run_rank", "free_port", "default_threads", "usable_cpus", "serve_until_told"]
 
 _SHUTDOWN_TIMEOUT = 30.0
 
@@ -172,6 +172,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
                                     fence=bool(job.spares), gone=served.lost)
                 watchdog.start()
             result = main(job, world_size)
+        elif rank != 0:
+            serve_until_told(served, job.rpc_timeout)  # see [Note: a worker serves until the master's word]
     except BaseException as exc:  # shut the world down, then re-raise
         error = exc
     finally:
@@ -207,16 +209,36 @@ def _outcome(ok: bool, graceful: bool = True) -> None:
     served.outcome, served.graceful = ok, graceful
     # The rendezvous store of a run through worker daemons lives in the master's process: leave the
     # stage groups while it is up (a destroy after the master left waited for it until killed).
-    leave_stage_groups(served)
+    try:
+        leave_stage_groups(served)
+    finally:
+        served.told.set()
     if not graceful:  # see [Note: leaving a world with a lost peer]
         leave_soon(0 if ok else 1)
 
 
 # [Note: leaving a world with a lost peer]
-# A worker serves by waiting in a graceful ``rpc.shutdown``, whose barrier counts every rank of
-# the world: after a peer was lost and replaced in place (rpcmp/master/recovery.py) or drained,
-# it would wait out the store's timeout (60 s) for the one gone. The master says so with the
+# A worker leaves through a graceful ``rpc.shutdown``, whose barrier counts every rank of the
+# world: after a peer was lost and replaced in place (rpcmp/master/recovery.py) or drained, it
+# would wait out the store's timeout (60 s) for the one gone. The master says so with the
 # outcome; the worker then leaves at once, with the exit code of the run, once its answer is on its way.
+
+
+# [Note: a worker serves until the master's word]
+# A worker runs nothing of its own: it answers the master's calls until the master says how the run
+# ended (``_outcome``). It used to wait inside a graceful ``rpc.shutdown``, whose barrier gives up after
+# its timeout (30 s) and goes on to tear the agent down: after torch's wait for the RRefs the master
+# still held (100 s) and the agent's join, every worker of a run longer than about three minutes left,
+# mid-step (the master then failed with EPIPE). The worker now waits for the master's word without a
+# bound and pings the master every few seconds, so that it still leaves when the master is gone: a
+# killed master fails the ping at once, a stopped one after Job.rpc_timeout. Only then does it enter
+# the shutdown, whose barrier the master reaches within moments (or which fails, and the worker
+# exits 1: [Note: every rank says how the job ended]).
+def serve_until_told(served, timeout: float, every: float = 2.0) -> None:
+    """On a worker: return when the master has said how the run ended, or stops answering a ping."""
+    while not served.told.wait(every):
+        if unresponsive([MASTER], timeout):
+            return
 
 
 def _tell_outcome(workers: list[str], ok: bool, graceful: bool = True) -> None:

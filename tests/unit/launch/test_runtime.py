@@ -30,3 +30,27 @@ def test_threads_follow_a_cgroup_cpu_quota(monkeypatch, tmp_path):
     assert runtime.usable_cpus(str(v1)) == 4
     (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     assert runtime.usable_cpus(str(v1)) == 128
+
+
+def test_a_worker_serves_until_the_master_says_so_or_stops_answering(monkeypatch):
+    """[Note: a worker serves until the master's word]: no time bound while the master answers."""
+    import threading
+    import time
+    from rpcmp.core.served import Served
+
+    served, pings = Served(), []
+
+    def ping(processes, timeout):
+        pings.append((processes, timeout))
+        return [] if len(pings) < 5 else processes  # the master answers four pings, then is gone
+
+    monkeypatch.setattr(runtime, "unresponsive", ping)
+    runtime.serve_until_told(served, timeout=7.0, every=0.01)
+    assert len(pings) == 5 and pings[0] == (["master"], 7.0)  # it outlived four rounds and left on the fifth
+
+    pings.clear()
+    monkeypatch.setattr(runtime, "unresponsive", lambda processes, timeout: pings.append(1) or [])
+    threading.Timer(0.3, served.told.set).start()
+    start = time.monotonic()
+    runtime.serve_until_told(served, timeout=7.0, every=0.01)
+    assert served.told.is_set() and time.monotonic() - start >= 0.25 and len(pings) >= 5
