@@ -153,15 +153,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         return _run_ddp_rank(job, rank, world_size, main, env.local_rank)
     if rank != 0 and threading.current_thread() is threading.main_thread():  # Ctrl-C is the master's to act on:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # see [Note: stopping a run] in rpcmp/train/stop.py
-    _fresh_store_prefix(attempt)
-    options = _backend_options(job, world_size)
-    if Topology.needs_nodes(job):  # the grid follows the nodes: see [Note: replicas of a pipeline]
-        served.nodes = share_nodes(rank, world_size, max(60.0, job.rpc_timeout), attempt, env.node_rank)
-    topology = served.topology = Topology.of(job, world_size, nodes=served.nodes)  # [Note: one topology per run]
-    for peer, mapping in ((p, m) for places in topology.grid if job.device_maps
-                          for p, m in device_maps_for(places, process_name(rank)).items()):
-        options.set_device_map(peer, mapping)
-    rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    topology = _join_rpc(job, rank, world_size, served, attempt, env)
     result, error, watchdog = None, None, None
     try:
         if topology.replicated:
@@ -195,6 +187,20 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         raise RunAbortedError(f"{process_name(rank)}: the master " + ("ended with an error (its log says which)" if left
                               else "stopped answering before the job ended") + "; this rank exits 1")
     return result
+
+
+def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: LaunchEnv) -> Topology:
+    """Join the run's RPC world (pipeline mode); return the run's topology."""
+    _fresh_store_prefix(attempt)
+    options = _backend_options(job, world_size)
+    if Topology.needs_nodes(job):  # the grid follows the nodes: see [Note: replicas of a pipeline]
+        served.nodes = share_nodes(rank, world_size, max(60.0, job.rpc_timeout), attempt, env.node_rank)
+    topology = served.topology = Topology.of(job, world_size, nodes=served.nodes)  # [Note: one topology per run]
+    for peer, mapping in ((p, m) for places in topology.grid if job.device_maps
+                          for p, m in device_maps_for(places, process_name(rank)).items()):
+        options.set_device_map(peer, mapping)
+    rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    return topology
 
 
 # [Note: every rank says how the job ended]
