@@ -63,7 +63,8 @@ class Job:
     batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/master/pipeline.py)
     sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
     # "overlap": each micro-batch's backward starts when its forward ends; "1f1b": that, with at most S
-    # micro-batches in flight (activation memory of S, not M); "gpipe": one context per step (rpcmp/master/pipeline.py)
+    # micro-batches in flight (activation memory of S, not M); "gpipe": the loss once, on the gathered batch
+    # (exact for any loss; rpcmp/master/pipeline.py)
     schedule: str = "overlap"
     epochs: int = 1
     max_steps: int | None = None

@@ -262,7 +262,7 @@ def _schedule_table(job, stages: int, whole_batch: bool) -> Table:
     for row in step.rows():
         table.add_row(*row)
     loss = "on the gathered batch" if step.loss is Loss.GATHERED else "per micro-batch, weighted by its share"
-    table.caption = (f"distributed-autograd context per {step.context.value}; loss {loss}; "
+    table.caption = (f"a distributed-autograd context per micro-batch; loss {loss}; "
                      f"at most {step.in_flight} micro-batches hold activations on a stage"
                      + ("; the model has BatchNorm, so each training batch runs as 1 micro-batch (Job.batchnorm='batch'; "
                         "'micro' pipelines M with per-micro-batch statistics)" if whole_batch else ""))

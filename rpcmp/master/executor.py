@@ -1,11 +1,10 @@
 """One optimizer step of any :class:`rpcmp.plan.schedule.Plan`, on the master.
 
-A plan with one context per step runs the whole batch's forward, one loss and one
-backward (:func:`_step_in_one_context`); a plan with a context per micro-batch drives each
-micro-batch from its own thread (:class:`_MicroBatches`): it enters when the plan says,
-its loss and backward start as soon as its output arrives, and its gradients are added
-into the first context's in the plan's merge order. See [Note: one context per
-micro-batch] in :mod:`rpcmp.master.pipeline` for why.
+Every micro-batch is driven from its own thread in its own distributed-autograd context
+(:class:`_MicroBatches`): it enters when the plan says; with a loss per micro-batch its loss
+and backward start as soon as its output arrives, with the loss on the gathered batch (gpipe)
+once every output has arrived; its gradients are added into the first context's in the plan's
+merge order. See [Note: one context per micro-batch] in :mod:`rpcmp.master.pipeline` for why.
 """
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ import torch
 import torch.distributed.autograd as dist_autograd
 
 from . import inbox
-from ..core.microbatch import batch_size, has_tensors, map_tensors, scatter
-from ..plan.schedule import Context, Plan, make_plan
+from ..core.microbatch import batch_size, gather, has_tensors, map_tensors, scatter, tensors
+from ..plan.schedule import Loss, Plan, make_plan
 from ..plan.lengths import check_sizes
 from ..errors import StepCancelled
 
@@ -38,7 +37,6 @@ class Steppable(Protocol):
 
     def micro_threads(self, count: int) -> Any: ...  # a thread pool for per-micro-batch drivers
     def next_seqs(self, count: int) -> list[int]: ...
-    def forward(self, x: Any, grad: bool, chunks: int | None = None) -> Any: ...
     def backward(self, ctx: int, loss: torch.Tensor) -> None: ...
     def to_fp32(self, out: Any) -> Any: ...
     def check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None: ...
@@ -50,20 +48,7 @@ def run_step(pipe: Steppable, schedule: str, x: Any, y: Any, chunks: int) -> tor
     """One optimizer step of ``pipe`` on batch ``(x, y)`` in ``chunks`` micro-batches; the loss."""
     check_sizes(pipe.specs[0].sizes, x)  # see [Note: any sequence length]
     plan = make_plan(schedule, chunks, len(pipe.specs))  # scatter refuses a batch of fewer than ``chunks`` samples
-    if plan.context is Context.STEP:
-        return _step_in_one_context(pipe, x, y, plan)  # Pipeline.forward scatters
     return _MicroBatches(pipe, plan, x, y).run()
-
-
-def _step_in_one_context(pipe, x: Any, y: Any, plan: Plan) -> torch.Tensor:
-    if pipe.optimizer is not None:
-        pipe.sync.begin(pipe, 0, 1, per_microbatch=False)
-    with dist_autograd.context() as ctx:
-        out = pipe.forward(x, grad=True, chunks=plan.microbatches)
-        loss = pipe.job.loss(out, y)
-        pipe.backward(ctx, loss)
-        pipe.apply_step(ctx, loss)
-    return loss.detach()
 
 
 class _MicroBatches:
@@ -78,7 +63,11 @@ class _MicroBatches:
         self.lock = threading.Lock()
         self.backward_done, self.stepped = threading.Barrier(m + 1), threading.Event()
         self.merged = [threading.Event() for _ in range(m)]
-        self.outs = [None] * m if m > 1 and not pipe.loss_checked else None  # kept once, for check_loss
+        self.gathered = plan.loss is Loss.GATHERED
+        # kept once for check_loss (a loss per micro-batch), or for the loss on the gathered batch
+        self.outs = [None] * m if self.gathered or (m > 1 and not pipe.loss_checked) else None
+        self.roots: list = [None] * m  # gathered: what micro-batch i's backward starts from (see _gathered_loss)
+        self.all_out = threading.Barrier(m, action=self._gathered_loss) if self.gathered else None
         order = [0] + [i for i, _ in plan.merges]
         self.before = {i: order[k - 1] for k, i in enumerate(order) if k}  # merged after this one's merge
         self.into = dict(plan.merges)
@@ -86,11 +75,11 @@ class _MicroBatches:
     def run(self) -> torch.Tensor:
         pipe = self.pipe
         if pipe.optimizer is not None:
-            pipe.sync.begin(pipe, self.seqs[0], len(self.xs), per_microbatch=True)
+            pipe.sync.begin(pipe, self.seqs[0], len(self.xs))
         futs = [pipe.micro_threads(len(self.xs)).submit(self._micro, i) for i in range(len(self.xs))]
         try:
             self.backward_done.wait()
-            pipe.apply_step(self.ctx_ids[0], torch.stack(self.losses).sum())
+            pipe.apply_step(self.ctx_ids[0], self._total())
         except threading.BrokenBarrierError:
             pass
         finally:
@@ -103,10 +92,13 @@ class _MicroBatches:
             # the first micro-batch's failure, whichever thread saw one first; not one the failure cancelled
             real = [e for e in self.errors if not isinstance(e[1], StepCancelled)] or self.errors
             raise min(real, key=lambda e: e[0])[1]
-        total = torch.stack(self.losses).sum()
-        if self.outs is not None:
+        total = self._total()
+        if self.outs is not None and not self.gathered:
             pipe.check_loss(self.outs, self.y, total)
         return total
+
+    def _total(self) -> torch.Tensor:
+        return self.losses[0] if self.gathered else torch.stack(self.losses).sum()
 
     def _micro(self, i: int) -> None:
         try:
@@ -137,6 +129,8 @@ class _MicroBatches:
         if first:
             inbox.cancel(self.pipe.pid, [s for k, s in enumerate(self.seqs) if k != i], self.pipe.owners)
         self.backward_done.abort()
+        if self.all_out is not None:
+            self.all_out.abort()
         for event in self.merged:
             event.set()
 
@@ -144,11 +138,34 @@ class _MicroBatches:
         pipe = self.pipe
         out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe.owners).wait()
         out = pipe.to_fp32(out)
+        if self.gathered:
+            self.outs[i] = out
+            self.all_out.wait()  # the last output to arrive computes the loss: _gathered_loss
+            if self.roots[i] is not None:  # None: the loss does not depend on this micro-batch's output
+                pipe.backward(ctx, self.roots[i])
+            return
         loss = pipe.job.loss(out, self.ys[i]) * (batch_size(self.xs[i]) / self.n)
         if self.outs is not None:
             self.outs[i] = map_tensors(out, torch.Tensor.detach)
         pipe.backward(ctx, loss)
         self.losses[i] = loss.detach()
+
+    def _gathered_loss(self) -> None:
+        """gpipe: the loss of the gathered batch, exact for any loss (a batch-level Dice, a sum), and
+        what each micro-batch's backward starts from: ``sum(out_i * g_i)`` with ``g_i`` the loss's
+        gradient for output i, whose gradient for ``out_i`` is ``g_i`` exactly (1 * g_i). So each
+        micro-batch's backward runs in its own context and the merges add the gradients up in the
+        plan's order: the same numbers every run (in one shared context the M gradients were summed
+        in the order the backward passes happened to reach each owner)."""
+        leaves = [map_tensors(o, lambda t: t.detach().requires_grad_(t.is_floating_point())) for o in self.outs]
+        loss = self.pipe.job.loss(gather(leaves), self.y)
+        pairs = [[(o, d) for o, d in zip(tensors(out), tensors(leaf)) if d.requires_grad]
+                 for out, leaf in zip(self.outs, leaves)]
+        grads = iter(torch.autograd.grad(loss, [d for row in pairs for _, d in row], allow_unused=True))
+        for i, row in enumerate(pairs):
+            terms = [(o * g).sum() for o, g in ((o, next(grads)) for o, _ in row) if g is not None]
+            self.roots[i] = torch.stack(terms).sum() if terms else None
+        self.losses[0], self.outs = loss.detach(), None
 
     def _merge(self, i: int) -> None:
         """Add this context's gradients into the plan's target context, in the plan's order (so the

@@ -33,10 +33,11 @@ add up in the same order), each owner adds its gradients into the first context'
 copies of its gradients at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps
 with the first context. The loss of micro-batch i is weighted by its share of the batch,
 which is exact for losses that are means over samples (checked on the first step, see
-:meth:`Pipeline.check_loss`). ``schedule="gpipe"`` keeps one context per step and
-computes the loss once on the gathered output: exact for any loss (a batch-level Dice,
-say), with less overlap. Every figure behind these choices: benchmarks/PERFORMANCE.md,
-design measurements.
+:meth:`Pipeline.check_loss`). ``schedule="gpipe"`` computes the loss once on the gathered
+output: exact for any loss (a batch-level Dice), with less overlap; each backward starts
+from its part of that loss's gradient and is merged as above (one context shared by the M
+summed them in the order they reached each owner: another rounding each run). Figures:
+benchmarks/PERFORMANCE.md, design measurements.
 
 [Note: BatchNorm and micro-batches]
 A BatchNorm layer in training mode normalises with the statistics of the batch it sees;

@@ -20,7 +20,7 @@ __all__ = ["LocalMerge", "ReplicaReduce"]
 class LocalMerge:
     """One pipeline: nothing to meet, nothing to average."""
 
-    def begin(self, pipe, first_seq: int, count: int, per_microbatch: bool) -> None:
+    def begin(self, pipe, first_seq: int, count: int) -> None:
         pass
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
@@ -43,12 +43,12 @@ class ReplicaReduce:
         self.index, self.meeting = index, meeting  # meeting: the rpcmp.master.replicas.ReplicaSync of the copies
         self.mark = False  # with spares: every owner marks the step's start (see [Note: a step marked, to be run again])
 
-    def begin(self, pipe, first_seq: int, count: int, per_microbatch: bool) -> None:
+    def begin(self, pipe, first_seq: int, count: int) -> None:
         """The owners learn the step's micro-batches before they arrive (see [Note: the average overlaps
         the backward] in rpcmp/owner/reduce.py)."""
         fn = live.begin if self.mark else stage.begin_reduce
         owners = sorted(set(pipe.owners)) if self.mark else pipe.param_owners
-        wait_all([rpc.rpc_async(o, fn, args=(pipe.pid, first_seq, count, per_microbatch)) for o in owners])
+        wait_all([rpc.rpc_async(o, fn, args=(pipe.pid, first_seq, count)) for o in owners])
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
         """The owners merge as each backward leaves them and start the average when the last has."""

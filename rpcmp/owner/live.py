@@ -26,7 +26,7 @@ from .state import rng_state, set_rng_state
 __all__ = ["begin", "unmark", "regroup"]
 
 
-def begin(pid: int, first_seq: int, count: int, per_microbatch: bool) -> None:
+def begin(pid: int, first_seq: int, count: int) -> None:
     """A step of a copy begins: mark its buffers and generators, then start the step's average
     (:func:`rpcmp.owner.stage.begin_reduce`)."""
     served = current()
@@ -34,7 +34,7 @@ def begin(pid: int, first_seq: int, count: int, per_microbatch: bool) -> None:
         buffers = {h.spec.index: {n: b.detach().clone() for n, b in h.module.named_buffers()}
                    for h in served.hosts_of(pid)}
     served.marks[pid] = (buffers, rng_state())
-    stage.begin_reduce(pid, first_seq, count, per_microbatch)
+    stage.begin_reduce(pid, first_seq, count)
 
 
 def unmark(pid: int) -> None:

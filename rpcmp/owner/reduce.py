@@ -21,8 +21,7 @@ process. The callback never runs early: the engine runs a graph task's callbacks
 nothing of it is in flight, and the hooked node is counted from before the hook fires. A stage that
 receives gradients in several messages (a traced stage that posts skip values) is not
 hooked at all, since its first message need not be its last; it too is merged when the
-master says so. A plan with one context per step (``gpipe``) has one message per
-micro-batch in one context: it averages when the step applies, as before.
+master says so.
 
 One flat buffer per stage holds the gradients and, at its end, a 1 for every parameter
 that has one; after the ``all_reduce`` those counts say which parameters got a gradient

@@ -269,9 +269,9 @@ def _reducing(pid: int) -> list[StageHost]:
     return [h for h in sorted(current().hosts_of(pid), key=lambda h: h.spec.index) if h.reduce is not None]
 
 
-def begin_reduce(pid: int, first_seq: int, count: int, per_microbatch: bool) -> None:
+def begin_reduce(pid: int, first_seq: int, count: int) -> None:
     """A training step of a copy of a replicated pipeline begins (``Job(replicas=R)``): its ``count``
-    micro-batches from ``first_seq`` on, each in its own context (``per_microbatch``) or all in one.
+    micro-batches from ``first_seq`` on, each in its own context.
     See [Note: the average overlaps the backward] in rpcmp/owner/reduce.py."""
     served = current()
     for host in sorted(served.hosts_of(pid), key=lambda h: h.spec.index):
@@ -282,7 +282,7 @@ def begin_reduce(pid: int, first_seq: int, count: int, per_microbatch: bool) -> 
         group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}",
                                  group, group.size(), first_seq,
-                                 count if per_microbatch else 1, hook=per_microbatch and not host.posts,
+                                 count, hook=not host.posts,
                                  stats=running_stats(host.module))
 
 

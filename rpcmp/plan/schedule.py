@@ -1,9 +1,9 @@
 """Micro-batch schedules as data.
 
 A :class:`Plan` says everything the executor (:mod:`rpcmp.master.executor`) does differently from
-one schedule to another: one distributed-autograd context per step or per micro-batch,
-the loss on the gathered batch or per micro-batch, when each micro-batch enters the
-pipeline, and the order in which micro-batch gradients are added together. It is built
+one schedule to another: the loss on the gathered batch or per micro-batch, when each
+micro-batch enters the pipeline, and the order in which micro-batch gradients are added
+together (every micro-batch has a distributed-autograd context of its own). It is built
 without processes (:func:`make_plan`), printed by ``rpcmp plan --schedule S -m M`` and
 checked by unit tests; the executor runs any plan. Why each schedule is what it is:
 [Note: one context per micro-batch] in :mod:`rpcmp.master.pipeline`.
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["Plan", "make_plan", "SCHEDULES", "Schedule", "Context", "Loss"]
+__all__ = ["Plan", "make_plan", "SCHEDULES", "Schedule", "Loss"]
 
 
 class Schedule(str, Enum):
@@ -22,15 +22,9 @@ class Schedule(str, Enum):
     GPIPE = "gpipe"
 
 
-class Context(str, Enum):
-    """How many distributed-autograd contexts a step uses."""
-    STEP = "step"  # one for the whole step
-    MICRO_BATCH = "micro-batch"  # one per micro-batch, merged before the step
-
-
 class Loss(str, Enum):
     """Where the loss is computed."""
-    GATHERED = "gathered"  # once, on the whole batch's output
+    GATHERED = "gathered"  # once, on the whole batch's output, when every micro-batch's has arrived
     MICRO_BATCH = "micro-batch"  # per micro-batch, each weighted by its share
 
 
@@ -44,7 +38,6 @@ class Plan:
     name: Schedule
     microbatches: int
     stages: int
-    context: Context
     loss: Loss
     # micro-batch i enters the pipeline at once (None) or when micro-batch admit_after[i]'s gradients are merged
     admit_after: tuple[int | None, ...]
@@ -63,11 +56,8 @@ class Plan:
         rows = []
         for i, after in enumerate(self.admit_after):
             enters = "at once" if after is None else f"when {after}'s gradients are merged"
-            if self.context is Context.STEP:
-                backward, grads = "one backward of the step's loss", "in the step's context"
-            else:
-                backward = "as soon as its output arrives"
-                grads = "its context is the step's" if i not in into else f"added into {into[i]}'s, after {i - 1}'s"
+            backward = "when every output has arrived" if self.loss is Loss.GATHERED else "as soon as its output arrives"
+            grads = "its context is the step's" if i not in into else f"added into {into[i]}'s, after {i - 1}'s"
             rows.append((str(i), enters, backward, grads))
         return rows
 
@@ -80,11 +70,10 @@ def make_plan(name: str, microbatches: int, stages: int) -> Plan:
     if microbatches < 1 or stages < 1:
         raise ValueError(f"a plan needs at least one micro-batch and one stage, got {microbatches} and {stages}")
     m = microbatches
-    if name is Schedule.GPIPE:
-        return Plan(name, m, stages, Context.STEP, Loss.GATHERED, (None,) * m, ())
     merges = tuple((i, 0) for i in range(1, m))
+    if name is Schedule.GPIPE:
+        return Plan(name, m, stages, Loss.GATHERED, (None,) * m, merges)
     if name is Schedule.OVERLAP:
-        return Plan(name, m, stages, Context.MICRO_BATCH, Loss.MICRO_BATCH, (None,) * m, merges)
+        return Plan(name, m, stages, Loss.MICRO_BATCH, (None,) * m, merges)
     # 1f1b: micro-batch i enters when i - S has left every stage, so at most S hold activations
-    return Plan(name, m, stages, Context.MICRO_BATCH, Loss.MICRO_BATCH,
-                tuple(i - stages if i >= stages else None for i in range(m)), merges)
+    return Plan(name, m, stages, Loss.MICRO_BATCH, tuple(i - stages if i >= stages else None for i in range(m)), merges)

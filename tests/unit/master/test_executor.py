@@ -30,7 +30,8 @@ class FakePipe:
     """What :class:`rpcmp.master.executor.Steppable` names, and nothing else: the last stage's
     output is ``2 * x``, answered after a random delay from another thread."""
 
-    def __init__(self, stages: int, fail: set[int] = frozenset(), seed: int = 0, delays: dict | None = None):
+    def __init__(self, stages: int, fail: set[int] = frozenset(), seed: int = 0, delays: dict | None = None,
+                 grad: bool = False):
         self.pid, self.job = 7, SimpleNamespace(loss=lambda out, y: ((out - y) ** 2).mean())
         self.specs, self.places = [SimpleNamespace(sizes=())] * stages, [SimpleNamespace(process="first")]
         self.owners, self.optimizer, self.loss_checked = ["first"] * stages, object(), True
@@ -39,6 +40,7 @@ class FakePipe:
         self.in_flight = self.most_in_flight = 0
         self.local = threading.local()
         self.delays, self.cancelled = delays or {}, set()
+        self.grad, self.outs, self.grads = grad, {}, {}  # grad: outputs are leaves; backward records their gradient
 
     def cancel(self, seqs):
         """inbox.cancel: the owners fail what has not started on them (rpcmp.owner.admission.InOrder.cancel)."""
@@ -66,15 +68,14 @@ class FakePipe:
             elif i in self.cancelled:
                 fut.set_exception(StepCancelled(f"stage 1: micro-batch {i} not run, its step failed elsewhere"))
             else:
-                fut.set_result(2 * x)
+                self.outs[i] = (2 * x).requires_grad_(self.grad)
+                fut.set_result(self.outs[i])
         threading.Timer(self.delays.get(i, self.rng.uniform(0, 0.02)), answer).start()
         return fut
 
-    def forward(self, x, grad, chunks=None):
-        self.events.append(("forward", chunks))
-        return 2 * x
-
     def backward(self, ctx, loss):
+        if self.grad:
+            self.grads[self.local.i] = torch.autograd.grad(loss, self.outs[self.local.i])[0]
         with self.lock:
             self.events.append(("backward", getattr(self.local, "i", None)))
             self.in_flight -= 1
@@ -133,15 +134,25 @@ def test_a_context_per_micro_batch_enters_merges_and_steps_as_its_plan_says(fake
                 assert merged < pipe.events.index(("enter", i)), (i, after, pipe.events)
 
 
-def test_gpipe_runs_one_forward_one_backward_in_one_context(fake):
-    pipe = fake(3)
-    x, y = _batch()
-    loss = executor.run_step(pipe, "gpipe", x, y, 4)
-    assert [e[0] for e in pipe.events] == ["forward", "backward", "step"] and pipe.events[0] == ("forward", 4)
-    torch.testing.assert_close(loss, ((2 * x - y) ** 2).mean())
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpipe_computes_one_loss_on_the_gathered_batch_and_each_backward_starts_from_its_part(fake, m):
+    for seed in range(3):  # answers arrive in another order each time
+        pipe = fake(3, seed=seed, grad=True)
+        x, y = _batch()
+        loss = executor.run_step(pipe, "gpipe", x, y, m)
+        whole = (2 * x).requires_grad_()
+        expected = ((whole - y) ** 2).mean()  # not a sum of micro-batch losses: the loss of the whole batch
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=0)
+        kinds = [e[0] for e in pipe.events]
+        assert kinds.count("enter") == kinds.count("backward") == m and kinds[-1] == "step"
+        assert max(k for k, e in enumerate(kinds) if e == "enter") < kinds.index("backward")  # all outputs first
+        assert [(e[1], e[2]) for e in pipe.events if e[0] == "merge"] == list(make_plan("gpipe", m, 3).merges)
+        # each micro-batch's backward gets exactly its rows of the whole loss's gradient
+        torch.testing.assert_close(torch.cat([pipe.grads[i] for i in range(m)]), torch.autograd.grad(expected, whole)[0],
+                                   rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
+@pytest.mark.parametrize("schedule", ["overlap", "1f1b", "gpipe"])
 def test_a_failed_micro_batch_raises_the_first_failure_and_steps_nothing(fake, schedule):
     pipe = fake(2, fail={3, 1})
     x, y = _batch(8)
@@ -155,7 +166,7 @@ def test_a_failed_micro_batch_raises_the_first_failure_and_steps_nothing(fake, s
     assert [e[0] for e in pipe.events].count("step") == 1
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
+@pytest.mark.parametrize("schedule", ["overlap", "1f1b", "gpipe"])
 def test_the_first_failure_cancels_the_rest_and_is_the_one_reported(fake, schedule):
     # micro-batch 1 fails first; the others answer later and are cancelled by then: the step reports 1's own
     # failure, not 0's cancellation; with 1f1b, 2 and 3 (admitted after 0's and 1's merges) never start
@@ -165,7 +176,7 @@ def test_the_first_failure_cancels_the_rest_and_is_the_one_reported(fake, schedu
         executor.run_step(pipe, schedule, x, y, 4)
     assert pipe.cancelled == {0, 2, 3}
     entered = {e[1] for e in pipe.events if e[0] == "enter"}
-    assert entered == ({0, 1, 2, 3} if schedule == "overlap" else {0, 1})
+    assert entered == ({0, 1} if schedule == "1f1b" else {0, 1, 2, 3})
     assert not [e for e in pipe.events if e[0] == "step"] and pipe.resyncs == 1
 
 

@@ -4,15 +4,16 @@ import pytest
 from rpcmp.plan.schedule import SCHEDULES, make_plan
 
 
-def test_gpipe_is_one_context_and_one_loss_on_the_gathered_batch():
+def test_gpipe_is_one_loss_on_the_gathered_batch_and_merges_in_order_into_the_first():
     plan = make_plan("gpipe", 4, 3)
-    assert (plan.context, plan.loss, plan.merges) == ("step", "gathered", ())
+    assert (plan.loss, plan.merges) == ("gathered", ((1, 0), (2, 0), (3, 0)))
     assert plan.admit_after == (None,) * 4 and plan.in_flight == 4
+    assert plan.rows()[1] == ("1", "at once", "when every output has arrived", "added into 0's, after 0's")
 
 
 def test_overlap_admits_every_micro_batch_at_once_and_merges_in_order_into_the_first():
     plan = make_plan("overlap", 4, 2)
-    assert (plan.context, plan.loss) == ("micro-batch", "micro-batch")
+    assert plan.loss == "micro-batch"
     assert plan.admit_after == (None,) * 4 and plan.in_flight == 4
     assert plan.merges == ((1, 0), (2, 0), (3, 0))
 
