@@ -29,15 +29,14 @@ received activations over RPC last, so every stage finished all M backward passe
 sending any gradient upstream, and the drain ran serially.
 As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums always
 add up in the same order), each owner adds its gradients into the first context's
-(:func:`rpcmp.owner.stage.merge_grads`) and the context is released: an owner holds two
-copies of its gradients at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps
-with the first context. The loss of micro-batch i is weighted by its share of the batch,
+(:func:`rpcmp.owner.stage.merge_grads`) and the context is released: an owner holds two copies of its gradients
+at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps with the
+first context. The loss of micro-batch i is weighted by its share of the batch,
 which is exact for losses that are means over samples (checked on the first step, see
 :meth:`Pipeline.check_loss`). ``schedule="gpipe"`` computes the loss once on the gathered
 output: exact for any loss (a batch-level Dice), with less overlap; each backward starts
 from its part of that loss's gradient and is merged as above (one context shared by the M
-summed them in the order they reached each owner: another rounding each run). Figures:
-benchmarks/PERFORMANCE.md, design measurements.
+summed them in the order they reached each owner: another rounding each run). Figures: PERFORMANCE.md.
 
 [Note: BatchNorm and micro-batches]
 A BatchNorm layer in training mode normalises with the statistics of the batch it sees;
