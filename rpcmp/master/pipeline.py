@@ -36,7 +36,7 @@ which is exact for losses that are means over samples (checked on the first step
 :meth:`Pipeline.check_loss`). ``schedule="gpipe"`` computes the loss once on the gathered
 output: exact for any loss (a batch-level Dice), with less overlap; each backward starts
 from its part of that loss's gradient and is merged as above (one context shared by the M
-summed them in the order they reached each owner: another rounding each run). Figures: PERFORMANCE.md.
+summed them in the order they reached each owner: another rounding each run). Figures: benchmarks/PERFORMANCE.md.
 
 [Note: BatchNorm and micro-batches]
 A BatchNorm layer in training mode normalises with the statistics of the batch it sees;
