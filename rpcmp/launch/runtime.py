@@ -171,13 +171,15 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     finally:
         if watchdog is not None:
             watchdog.stop()
+        # A stage's own failure leaves every process answering: leave as after success (no transport noise); a
+        # process lost and replaced in place (rpcmp/master/recovery.py) takes no part in a graceful shutdown. The
+        # master's choice is the workers' (a worker in a graceful shutdown the master skips waits out its timeout).
+        graceful = served.graceful and not served.lost and (
+            error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
         if rank == 0:
             _tell_outcome([w for w in map(process_name, range(1, world_size)) if w not in served.lost], error is None,
-                          graceful=not served.lost)
-        # A stage's own failure leaves every process answering: leave as after success (no transport noise); a
-        # process lost and replaced in place (rpcmp/master/recovery.py) takes no part in a graceful shutdown.
-        left = _shutdown(graceful=served.graceful and not served.lost and (
-            error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError))))
+                          graceful=graceful)
+        left = _shutdown(graceful=graceful)
         leave_stage_groups(served)  # after the RPC world: a worker's stages average gradients until the master leaves
     if error is not None:
         raise error
