@@ -237,3 +237,22 @@ def test_lengths_any_accepts_a_model_that_takes_any_length(name):
     job = load(name)
     job = dataclasses.replace(job, stages=rpcmp.SplitAt(*job.stages.points, lengths="any"))
     assert all(spec.sizes[0] == (None, None) for spec in _plan(job))
+
+
+class _ListIndex(nn.Module):
+    """Indexes with a Python list (x[..., [-1]], as Falcon's attention does): a tensor made in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h * h[..., [-1]])
+
+
+def test_a_tensor_forward_makes_from_python_values_is_refused_naming_the_module_and_the_rewrite():
+    job = rpcmp.Job(model=_ListIndex, stages=rpcmp.SplitAt("b"))
+    with pytest.raises(rpcmp.PartitionError, match=r"SplitAt: _ListIndex's forward makes a tensor from Python values .*lifted_tensor"
+                                                   r".*read by aten.index.Tensor.*x\[..., -2:-1\]"):
+        plan_stages(job, torch.zeros(2, 4))
