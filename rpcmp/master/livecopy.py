@@ -52,7 +52,8 @@ class LiveCopies:
     def settle(self) -> None:
         """Nothing to wait for before a step: the copies are the source (see the Note)."""
 
-    def recover(self, error: BaseException, position: tuple[int, int, int], in_step: bool = True) -> RolledBack:
+    def recover(self, error: BaseException, position: tuple[int, int, int], in_step: bool = True,
+                redo: str = "its checkpoint skipped") -> RolledBack:
         """Rebuild the stages of the owner whose loss failed the step at ``position`` (or, not ``in_step``, the
         checkpoint save after the step before it) from a live copy, or re-raise ``error`` (see [Note: recovery
         from a live copy])."""
@@ -81,7 +82,7 @@ class LiveCopies:
         return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
                                     f"{str(error).splitlines()[0][:60]}); replica {r} stage {names} rebuilt on {spare} "
                                     f"from the live copy on {', '.join(source.owners[k] for k in stages)}; no step "
-                                    f"lost ({f'step {position[0] + 1} runs again' if in_step else 'its checkpoint skipped'}"
+                                    f"lost ({f'step {position[0] + 1} runs again' if in_step else redo}"
                                     f"); {time.perf_counter() - start:.2f} s")
 
     def _rebuild(self, pipe, source, gone: str, spare: str, stages: list[int]) -> None:

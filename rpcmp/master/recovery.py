@@ -104,9 +104,11 @@ class Snapshots:
             except Exception:  # noqa: BLE001 - a snapshot an owner could not take is no snapshot; the loss
                 self.kept.pop(self.taking_step, None)  # shows at the next step, which recovers from the one before
 
-    def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True) -> RolledBack:
-        """Replace the owner whose loss failed a step (or a checkpoint save: not ``in_step``), or re-raise ``error``
-        (see [Note: recovery from a lost owner]); the run goes on from the snapshot's position either way."""
+    def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
+                redo: str = "") -> RolledBack:
+        """Replace the owner whose loss failed a step (or a checkpoint save, an evaluation: not ``in_step``), or
+        re-raise ``error`` (see [Note: recovery from a lost owner]); the run goes on from the snapshot's position
+        either way, which the line says (``redo``, what runs again, is for a live copy's line)."""
         start, pipe = time.perf_counter(), self.pipe
         lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
         self.spares[:] = [s for s in self.spares if s not in lost]

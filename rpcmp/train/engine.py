@@ -175,7 +175,23 @@ class PipelineEngine:
         return text
 
     def evaluate(self, dataset) -> float:
-        return evaluate(self.pipe, dataset, self.job)
+        """The held-out metric. With spares, an owner lost during the evaluation is replaced as in a step; an
+        evaluation changes nothing of the model, so from a live copy, or from a snapshot of this very step (taken
+        first when the last one is older), no step is lost and the evaluation runs again."""
+        recovery = self.snapshots or self.live
+        if recovery is None:
+            return evaluate(self.pipe, dataset, self.job)
+        if self.snapshots is not None and self.at[0] not in self.snapshots.kept:
+            self.snapshots.snap(self.at[0], self.at[1:])
+        recovery.settle()
+        try:
+            return evaluate(self.pipe, dataset, self.job)
+        except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
+            back = recovery.recover(exc, self.at, in_step=False, redo="the held-out evaluation runs again")
+            if back.position[0] != self.at[0]:  # from an older checkpoint: steps to train again, not here
+                raise exc from None
+            print(back.line, flush=True)
+            return evaluate(self.pipe, dataset, self.job)
 
     def train(self) -> None:
         self.pipe.train()

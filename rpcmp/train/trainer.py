@@ -40,13 +40,13 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
     total = per_epoch * job.epochs if job.max_steps is None else min(job.max_steps, per_epoch * job.epochs)
     step, epoch, first_batch, run = _start(job, engine, console)
     run = _this_run(run, engine)
+    engine.after_step(step, (epoch, first_batch), first=True)  # with spares: a snapshot to recover from
     before = engine.evaluate(heldout) if heldout is not None and job.metric else None
     if before is not None:
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
     losses, samples, saved, start = [], 0, None, time.perf_counter()
     log = MetricsLog(job.metrics_file if engine.is_main else None)
     tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
-    engine.after_step(step, (epoch, first_batch), first=True)  # with spares: a snapshot to recover from
     with Progress(*_progress_columns(), console=console, transient=False, disable=not engine.is_main) as progress:
         while step < total and stop.signum is None:
             engine.train()

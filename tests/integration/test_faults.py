@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from helpers import job_path
 from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
@@ -108,3 +109,29 @@ def test_a_worker_lost_while_its_stage_is_built_is_named():
     assert proc.returncode != 0
     assert "error: WorkerLostError: before the first step: worker1 (stage 0 layers[0:4]) stopped answering" \
         in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("snapshots", ["5", "0"], ids=["snapshot", "checkpoint"])
+def test_with_a_spare_a_worker_lost_during_held_out_evaluation_is_replaced_and_the_run_goes_on(tmp_path, snapshots):
+    """worker1 ends itself in the evaluation at the end of epoch 1: the spare takes its stage from a snapshot
+    of that very step (taken before the evaluation), the evaluation runs again, and the run ends as one where
+    nobody died. Without snapshots (--snapshot-every 0) the last checkpoint is older: the run ends as before."""
+    rpcmp = os.path.join(BIN, "rpcmp")
+
+    def run(folder, **env):
+        return subprocess.run([rpcmp, "run", job_path("dies_in_eval"), "--local", "4", "--spares", "1", "--max-steps",
+                               "40", "--checkpoint-dir", str(tmp_path / folder), "--snapshot-every", snapshots],
+                              capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "200", **env})
+    hit = run("hit")
+    if snapshots == "0":
+        assert hit.returncode != 0 and "WorkerLostError" in hit.stderr and "at step 32" in hit.stderr, hit.stderr
+        return
+    assert hit.returncode == 0, hit.stdout + hit.stderr
+    assert "recovered: worker1 was lost" in hit.stdout and "every stage rolled back to step 32" in hit.stdout, hit.stdout
+    assert "epoch 1: held-out -MSE" in hit.stdout
+    clean = run("clean", NEVER_DIE="1")
+    assert clean.returncode == 0 and "recovered" not in clean.stdout, clean.stdout + clean.stderr
+    a, b = load_checkpoint(str(tmp_path / "hit")), load_checkpoint(str(tmp_path / "clean"))
+    assert a["step"] == b["step"] == 40
+    torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0)
