@@ -18,9 +18,10 @@ Each copy's loss is the mean over its own share, so the averaged gradient is the
 gradient of the mean over the global batch, as with one copy (the float sums differ in
 order, so equal at float32 tolerance, not bit-equal). BatchNorm sees each copy's share,
 as in DDP mode without SyncBatchNorm, and every copy takes copy 0's running statistics after
-each step, as DDP takes rank 0's ([Note: one copy's statistics] in :mod:`rpcmp.owner.reduce`). One master drives every copy (rather than a master
-per copy) so that there is one data order, one checkpoint writer and one place that names a
-lost process; its cost is a thread per copy on the master.
+each step, as DDP takes rank 0's ([Note: one copy's statistics] in :mod:`rpcmp.owner.reduce`).
+One master drives every copy (rather than a master per copy) so that there is one data order,
+one checkpoint writer and one place that names a lost process; its cost is a thread per copy on
+the master.
 
 Each stage's average starts on its owner as soon as the step's last micro-batch has left
 the stage in the backward, while the stages before it still compute (one ``all_reduce``
