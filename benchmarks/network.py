@@ -1,4 +1,4 @@
-"""The split Unet across three nodes whose links are shaped: rpcmp (float32 and ``--wire bf16``)
+"""The split Unet across three nodes whose links are shaped: rpcmp (float32, ``--wire bf16`` and ``int8``)
 against ``torch.distributed.pipelining`` (gloo, the same three parts and weights, its best of
 GPipe and 1F1B) and the hand-written master-driven RemoteModule version, over each link rate.
 
@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SYSTEMS = ("rpcmp", "rpcmp --wire bf16", "pipelining", "hand-written RPC")
+SYSTEMS = ("rpcmp", "rpcmp --wire bf16", "rpcmp --wire int8", "pipelining", "hand-written RPC")
 RATES = ("unshaped", "10gbit", "1gbit", "100mbit")
 WARMUP, STEPS, SAMPLES = 2, 6, 16
 
@@ -183,7 +183,7 @@ def _node(system: str, rank: int, addr: str, port: int, out: str, namespaces: li
         from rpcmp.launch.runtime import run_rank
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RPCMP_IFACE="eth0", TP_SOCKET_IFNAME="eth0",
                           GLOO_SOCKET_IFNAME="eth0")
-        overrides = {"wire": "bf16"} if system.endswith("bf16") else None
+        overrides = {"wire": system.split()[-1]} if "--wire" in system else None
 
         def main(job, world):
             import rpcmp
@@ -215,9 +215,10 @@ def _trace(pipe, step, path: str, steps: int = 2) -> dict:
 @click.group(invoke_without_command=True)
 @click.option("--rates", default=",".join(RATES), show_default=True, help="Link rates (tc tbf), or 'unshaped'.")
 @click.option("--rounds", default=2, show_default=True, help="Launches of each system per rate, taking turns.")
+@click.option("--systems", default=",".join(SYSTEMS), show_default=True, help="Which systems (pipelining always).")
 @click.option("--out", default="bench-results/network.json", show_default=True)
 @click.pass_context
-def main(ctx, rates, rounds, out):
+def main(ctx, rates, rounds, systems, out):
     if ctx.invoked_subcommand is not None:
         return
     console = Console()
@@ -228,13 +229,16 @@ def main(ctx, rates, rounds, out):
     folder = os.path.join(os.path.dirname(out) or ".", "network-logs")
     os.makedirs(folder, exist_ok=True)
     res, port = {}, 29600
+    chosen = [s for s in SYSTEMS if s in systems.split(",") or s == "pipelining"]
+    if unknown := set(systems.split(",")) - set(SYSTEMS):
+        raise click.UsageError(f"--systems: unknown {sorted(unknown)}; expected some of {', '.join(SYSTEMS)}")
     with Cluster() as cluster:
         for rate in rates.split(","):
             cluster.shape(rate)
-            console.print(f"[bold]{rate}[/]: {', '.join(SYSTEMS)}, {rounds} launches each, taking turns")
-            runs = {s: [] for s in SYSTEMS}
+            console.print(f"[bold]{rate}[/]: {', '.join(chosen)}, {rounds} launches each, taking turns")
+            runs = {s: [] for s in chosen}
             for _ in range(rounds):
-                for system in SYSTEMS:
+                for system in chosen:
                     port += 1
                     runs[system].append(cluster.launch(system, port, folder))
             res[rate] = {s: _summary(s, r) for s, r in runs.items()}

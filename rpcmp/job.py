@@ -19,6 +19,7 @@ from .errors import JobError
 from .plan.schedule import SCHEDULES
 from .plan.partition import Split, declaration_kind
 from .plan.topology import check_replicas
+from .core.wire import WIRES
 
 __all__ = ["Job", "load_job"]
 
@@ -58,7 +59,7 @@ class Job:
     snapshot_every: int | None = None  # with spares: steps between in-memory snapshots of the stages (None: 10; 0: off)
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
     precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
-    wire: str = "fp32"  # "bf16" / "fp16": activations and their gradients cross between stages in that dtype (half the bytes)
+    wire: str = "fp32"  # "bf16" / "fp16" (half the bytes) / "int8" (a quarter): activations and their gradients between stages
     recompute: bool = False  # keep only each stage's inputs for backward; recompute the rest (see rpcmp/owner/stage.py)
     batchnorm: str = "batch"  # "batch": whole-batch statistics (exact); "micro": per micro-batch (see rpcmp/master/pipeline.py)
     sync_batchnorm: bool = False  # DDP mode: BatchNorm statistics over all ranks
@@ -120,9 +121,10 @@ class Job:
             raise JobError(f"Job.mode must be 'pipeline' or 'ddp', got {self.mode!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise JobError(f"Job.precision must be 'fp32', 'bf16' or 'fp16', got {self.precision!r}")
-        if self.wire not in ("fp32", "bf16", "fp16"):
+        if self.wire not in WIRES:
             raise JobError(f"Job.wire must be 'fp32' (activations cross between stages as computed), 'bf16' or "
-                           f"'fp16' (half the bytes on the wire, rounded), got {self.wire!r}")
+                           f"'fp16' (half the bytes on the wire, rounded) or 'int8' (a quarter, a scale per row), "
+                           f"got {self.wire!r}")
         if self.batchnorm not in ("batch", "micro"):
             raise JobError(f"Job.batchnorm must be 'batch' (whole-batch statistics, exact) or 'micro' "
                            f"(per micro-batch, pipelined), got {self.batchnorm!r}")

@@ -88,20 +88,6 @@ def map_tensors(batch: Any, fn):
     return pytree.tree_map_only(torch.Tensor, fn, batch)
 
 
-WIRE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # Job.wire -> the dtype a hop sends
-
-
-def to_wire(batch: Any, dtype: torch.dtype | None) -> Any:
-    """The float32 tensors of ``batch`` in ``dtype`` for the hop to the next stage (``Job.wire``; None:
-    as they are). Differentiable: their gradients travel back in ``dtype`` too."""
-    return batch if dtype is None else map_tensors(batch, lambda t: t.to(dtype) if t.dtype == torch.float32 else t)
-
-
-def from_wire(batch: Any, dtype: torch.dtype | None) -> Any:
-    """What :func:`to_wire` sent, in float32 again for the stage's own computation."""
-    return batch if dtype is None else map_tensors(batch, lambda t: t.float() if t.dtype == dtype else t)
-
-
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor of ``batch`` to ``device`` (differentiable)."""
     return map_tensors(batch, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))

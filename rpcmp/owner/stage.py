@@ -50,7 +50,8 @@ from .admission import InOrder
 from ..errors import StageError, StepCancelled
 from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
-from ..core.microbatch import WIRE, check_tensors, from_wire, map_tensors, tensors, to_device, to_wire
+from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
+from ..core.wire import from_wire, to_wire
 from ..plan.partition import StageSpec, build_empty, build_stage, has_batchnorm
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
@@ -74,7 +75,7 @@ class StageHost:
     keep_on_device: bool
     timeout: float
     autocast: torch.dtype | None = None  # Job.precision bf16 / fp16: the stage runs under autocast
-    wire: torch.dtype | None = None  # Job.wire bf16 / fp16: what activations and gradients cross to and from stages in
+    wire: str = "fp32"  # Job.wire: the format activations and their gradients cross between stages in (core.wire)
     recompute: bool = False  # see [Note: recompute]
     lock: threading.RLock = field(default_factory=threading.RLock)  # forward vs recomputation
     owners: list = field(default_factory=list)  # process of every stage: where posts go
@@ -136,7 +137,7 @@ class StageHost:
                 posts = to_device(posts, torch.device("cpu"))
         if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
             y = to_device(y, torch.device("cpu"))
-        if self.wire is not None:  # to later stages (the master's loss takes float32)
+        if self.wire != "fp32":  # to later stages (the master's loss takes float32)
             with torch.set_grad_enabled(grad):
                 y, posts = (to_wire(y, self.wire) if self.next_process else y), to_wire(posts, self.wire)
         self.compute_s += time.perf_counter() - start
@@ -201,7 +202,7 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])
     route = module.forward if spec.kind == "traced" else None  # see [Note: skip values go straight to their consumer]
     served.hosts[(pid, spec.index)] = StageHost(pid, spec, place, module, device, next_process, keep, timeout,
-                                                autocast, wire=WIRE[options.get("wire", "fp32")],
+                                                autocast, wire=options.get("wire", "fp32"),
                                                 recompute=bool(options["recompute"]), owners=list(options["owners"]),
                                                 deliver=options["deliver"],
                                                 mail_in=tuple(route.mail_in) if route else (),
