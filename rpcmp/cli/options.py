@@ -9,7 +9,6 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from ..core.wire import WIRES
 from ..errors import RpcmpError
 from ..launch.env import set_options
 
@@ -29,7 +28,7 @@ def job_options(fn):
         click.option("--replicas", type=int, help="Pipeline mode: copies of the pipeline, data parallel (Job.replicas)."),
         click.option("--accumulate", type=int, help="Batches per optimizer step (gradient accumulation)."),
         click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), help="Autocast dtype (fp16 adds loss scaling)."),
-        click.option("--wire", type=click.Choice(WIRES), help="Format of activations and gradients between stages (Job.wire)."),
+        click.option("--wire", type=click.Choice(["fp32", "bf16", "fp16", "int8"]), help="Activations and gradients between stages (Job.wire)."),
         click.option("--sync-batchnorm", is_flag=True, default=None, help="DDP mode: SyncBatchNorm."),
         click.option("--batchnorm", type=click.Choice(["batch", "micro"]),
                      help="BatchNorm statistics of the whole batch (exact) or of each micro-batch (pipelined)."),

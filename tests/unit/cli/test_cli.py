@@ -53,3 +53,13 @@ def test_plan_prints_the_schedules_plan():
     assert "schedule '1f1b': one step of 4 micro-batches over 3 stages" in result.output
     text = " ".join(result.output.split())  # the caption wraps
     assert "when 0's gradients are merged" in text and "at most 3 micro-batches hold activations" in text
+
+
+def test_the_command_line_imports_no_torch_before_it_starts_the_fork_server():
+    """`rpcmp run` starts the fork server first, so that it imports torch while the command does
+    (see [Note: forked from a warm server]): the command's own modules must not import torch."""
+    import subprocess
+    import sys
+    code = "import sys, rpcmp.cli.commands; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
