@@ -1,2 +1,2 @@
-"""Shared by both sides of the wire: micro-batches, futures, failures as values, the served
-object, health, policy, hyper-parameters, checkpoint files."""
+"""Shared by both sides of the wire: micro-batches, the wire formats, futures, failures as values,
+the served object, health, policy, hyper-parameters, checkpoint files."""
