@@ -1,6 +1,6 @@
 """Start-up of a local run: from the command's start to the end of its first training step.
 
-    .venv/bin/python benchmarks/startup.py . --rounds 3                   # ranks forked from a warm server vs spawned
+    .venv/bin/python benchmarks/startup.py . --rounds 3                   # spawned vs a warm server vs this process
     .venv/bin/python benchmarks/startup.py /tmp/before . --method forkserver  # two trees
 
 Each launch is a fresh interpreter (as ``rpcmp run JOB --local 3`` is) with ``PYTHONPATH``
@@ -42,9 +42,11 @@ import os, sys
 t0 = float(sys.argv[3])
 tree = sys.argv[1]
 sys.path[:0] = [os.path.join(tree, "benchmarks"), tree]
-try:  # as `rpcmp run --local` does: the fork server imports while this process does
+here = os.environ.pop("BENCH_FORK_HERE", "") == "1"
+try:  # the fork server imports while this process does (as `rpcmp run --local` did before it forked from itself)
     from rpcmp.launch.server import start_server
-    start_server(sys.argv[2])
+    if not here:
+        start_server(sys.argv[2])
 except ImportError:  # trees from before it
     pass
 try:
@@ -54,7 +56,7 @@ except ImportError:  # trees from before the subpackages (rpcmp/launch/)
 from rpcmp_startup import main
 
 if __name__ == "__main__":
-    built, first = launch_local(sys.argv[2], 3, main)
+    built, first = launch_local(sys.argv[2], 3, main, **({"fork_here": True} if here else {}))
     print("RESULT", built - t0, first - t0)
 '''
 
@@ -63,15 +65,17 @@ if __name__ == "__main__":
 @click.argument("trees", nargs=-1, required=True)
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--job", default="examples/unet_split/job.py", show_default=True, help="The job file, relative to each tree.")
-@click.option("--method", "methods", multiple=True, default=("spawn", "forkserver"), show_default=True,
-              help="How the launcher starts the ranks (RPCMP_START_METHOD); each is measured.")
+@click.option("--method", "methods", multiple=True, default=("spawn", "forkserver", "fork-here"), show_default=True,
+              help="How the launcher starts the ranks (RPCMP_START_METHOD, or fork-here: from the launching "
+                   "process, as `rpcmp run --local` does); each is measured.")
 def main(trees, rounds, job, methods):
     """Time to the first step of a 3-process local run, for each source tree and start method."""
     runs = [(tree, method) for tree in trees for method in methods]
     times = {run: [] for run in runs}
     for _ in range(rounds):
         for tree, method in runs:
-            env = {**tree_env(tree, {"rpcmp_startup.py": _MAIN}), "RPCMP_START_METHOD": method}
+            env = {**tree_env(tree, {"rpcmp_startup.py": _MAIN}), "RPCMP_START_METHOD": method.replace("fork-here", "forkserver"),
+                   "BENCH_FORK_HERE": "1" if method == "fork-here" else "0"}
             start = time.time()
             out = subprocess.run([sys.executable, "-c", _LAUNCH, os.path.abspath(tree), os.path.join(os.path.abspath(tree), job), str(start)],
                                  capture_output=True, text=True, env=env, cwd=os.path.abspath(tree), check=False)

@@ -36,9 +36,6 @@ def main():
 @job_options
 def run(job_file, nprocs, workers, listen, token_file, overrides):
     """Train JOB_FILE on --local N processes, or on --workers N daemons."""
-    if nprocs is not None and nprocs >= 2:
-        from ..launch.server import start_server
-        start_server(job_file)  # it imports torch and the job's libraries while this process does the same
     from ..launch.local import launch_local
     from ..train.stop import exit_status
     from ..train.trainer import fit
@@ -51,7 +48,7 @@ def run(job_file, nprocs, workers, listen, token_file, overrides):
     elif nprocs < 2:
         raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
     else:
-        result = launch_local(job_file, nprocs, fit, overrides=overrides)
+        result = launch_local(job_file, nprocs, fit, overrides=overrides, fork_here=True)
     if exit_status(result):  # stopped by a signal: see [Note: stopping a run]
         sys.exit(exit_status(result))
 
@@ -77,7 +74,7 @@ def predict(job_file, checkpoint, out, images, nprocs, overrides):
             raise click.BadParameter(f"--local needs at least 2 processes (a master and a worker), got {nprocs}")
         from ..launch.local import launch_local
         result = launch_local(job_file, nprocs, functools.partial(predict_split, checkpoint=checkpoint, out_dir=out,
-                                                                  images=images), overrides=overrides)
+                                                                  images=images), overrides=overrides, fork_here=True)
     console = Console()
     console.print(f"{result['samples']} samples of the {result['dataset']} set predicted with {result['checkpoint']}")
     if result["metric"] is not None:

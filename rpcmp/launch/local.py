@@ -91,15 +91,17 @@ def _local_child(job_path, rank, world_size, port, overrides, main, results, par
 
 
 def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], overrides: dict | None = None,
-                 timeout: float | None = None, master_in_process: bool = True) -> Any:
+                 timeout: float | None = None, master_in_process: bool = True, fork_here: bool = False) -> Any:
     """Run a job on ``nprocs`` processes of this machine; return ``main``'s result.
 
     The master runs in this process by default (so progress shows in this terminal);
     with ``master_in_process=False`` it runs in a child too and its result comes back
-    through a queue (tests use this so every test gets fresh processes).
+    through a queue (tests use this so every test gets fresh processes). ``fork_here``: the caller
+    has computed nothing yet (the command line): the ranks may fork from this process (see
+    [Note: forked from a warm server]).
     """
-    ctx = process_context(job_path)
     master_in_process = master_in_process and not _rpc_used_here()  # see [Note: one RPC world per process]
+    ctx = process_context(job_path, fork_here=fork_here and master_in_process)
     started = ctx.Queue()
     port = free_port()
     # The rendezvous store listens on loopback only; every rank joins it as a client.

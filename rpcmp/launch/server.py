@@ -1,11 +1,13 @@
 """The fork server local ranks and a daemon's jobs start from (see [Note: forked from a warm server]).
 
-This module imports nothing heavy: ``rpcmp run`` starts the server before it imports torch itself.
+This module imports nothing heavy: a worker daemon starts the server before it imports torch itself.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
+import threading
 from typing import Any
 
 from ..errors import LaunchError
@@ -24,8 +26,9 @@ def preload(*modules: str) -> None:
     _EXTRA.extend(modules)
 
 
-def process_context(job_path: str | None = None) -> Any:
-    """The multiprocessing context local ranks and a daemon's jobs start from.
+def process_context(job_path: str | None = None, fork_here: bool = False) -> Any:
+    """The multiprocessing context local ranks and a daemon's jobs start from; with ``fork_here``
+    (the command line, before it has loaded the job), this process itself when it can be.
 
     [Note: forked from a warm server]
     Every rank imports torch, rpcmp and the job's model library before it can join the RPC
@@ -40,25 +43,41 @@ def process_context(job_path: str | None = None) -> Any:
     reaches it. The server exits with its launcher; a forked rank watches both.
     ``RPCMP_START_METHOD=spawn`` starts every rank from a fresh interpreter instead (as before
     the server; for a job whose libraries cannot be imported before a fork).
+
+    ``rpcmp run --local`` and ``rpcmp predict --local`` are such a server themselves: before the
+    command has loaded the job or computed anything (no thread started, so no intra-op thread
+    pool to break in the children, and no CUDA), it imports what the server would and forks the
+    ranks from itself. The server's imports were a second interpreter's worth of CPU per run,
+    paid beside the command's own (measured: benchmarks/startup.py, method ``fork-here``).
+    Anything else (a script or notebook that launches, a second launch in one process, a daemon)
+    uses the server, and so does the command when a thread already runs.
     """
     method = os.environ.get("RPCMP_START_METHOD", "forkserver")
     if method not in ("forkserver", "spawn"):
         raise LaunchError(f"RPCMP_START_METHOD must be 'forkserver' (the default) or 'spawn', got {method!r}")
     if method == "spawn":
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
     modules = ["torch", "torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim",
                "torch.export", *_rpcmp_modules(), *_EXTRA]
     if job_path is not None:
         modules += [m for m in _HEAVY if m in _imported_by(job_path)]
-    ctx.set_forkserver_preload(list(dict.fromkeys(modules)))
+    modules = list(dict.fromkeys(modules))
+    if fork_here and threading.active_count() == 1:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # as the server does: the job's own import says what is missing
+                pass
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(modules)
     return ctx
 
 
 def start_server(job_path: str | None = None, every_library: bool = False) -> None:
     """Start the fork server now, so that it imports while this process does its own imports (call it
-    before importing torch: ``rpcmp run --local``, a worker daemon at start, which preloads
-    ``every_library`` it may need). Later launches find it running."""
+    before importing torch: a worker daemon at start, which preloads ``every_library`` it may need).
+    Later launches find it running."""
     from multiprocessing import forkserver
     if os.environ.get("RPCMP_START_METHOD", "forkserver") != "forkserver":
         return
