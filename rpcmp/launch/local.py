@@ -104,8 +104,6 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     ctx = process_context(job_path, fork_here=fork_here and master_in_process)
     started = ctx.Queue()
     port = free_port()
-    # The rendezvous store listens on loopback only; every rank joins it as a client.
-    store = bound_store("127.0.0.1", port)  # noqa: F841 - lives as long as the run
     results = None if master_in_process else ctx.Queue()
     first = 1 if master_in_process else 0
     procs = []
@@ -117,6 +115,9 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
         procs.append(p)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
+        # The rendezvous store listens on loopback only; every rank joins it as a client (and waits for it).
+        # Made after the forks: its thread must not run in this process when a rank forks from it.
+        store = bound_store("127.0.0.1", port)  # noqa: F841 - lives as long as the run
         _wait_started(started, procs, deadline)
         if master_in_process:
             result = _master_here(job_path, nprocs, port, main, overrides, procs, deadline, timeout)
