@@ -65,7 +65,7 @@ def from_wire(batch: Any, wire: str) -> Any:
     return map_tensors(batch, lambda t: t.float() if t.dtype == _CAST[wire] else t)
 
 
-def _pack(x: torch.Tensor) -> torch.Tensor:
+def _pack(x: torch.Tensor, shape: list[int] | None = None) -> torch.Tensor:
     """``x`` (float32) as a 1-D float32 carrier: int64 ndim and shape, float32 scales, int8 values."""
     rows, cols = _grid(list(x.shape))
     flat = x.detach().reshape(rows, cols)
@@ -81,10 +81,12 @@ def _pack(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts).view(torch.float32)
 
 
-def _unpack(carrier: torch.Tensor) -> torch.Tensor:
+def _unpack(carrier: torch.Tensor, shape: list[int] | None = None) -> torch.Tensor:
+    """What :func:`_pack` packed; ``shape``: the sender's own, for a carrier's gradient, which is all
+    zeros (header included) when the receiver never used the value (an smp encoder's first feature)."""
     raw = carrier.detach().contiguous().view(torch.uint8)
-    ndim = int(raw[:8].view(torch.int64))
-    shape = raw[8:8 * (ndim + 1)].view(torch.int64).tolist()
+    ndim = int(raw[:8].view(torch.int64)) if shape is None else len(shape)
+    shape = raw[8:8 * (ndim + 1)].view(torch.int64).tolist() if shape is None else shape
     rows, cols = _grid(shape)
     at = 8 * (ndim + 1)
     scale = raw[at:at + 4 * rows].view(torch.float32)
@@ -112,9 +114,9 @@ class _Hop(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, there, back):
-        ctx.back = back
+        ctx.back, ctx.shape = back, list(t.shape)
         return there(t)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.back(grad.contiguous()), None, None
+        return ctx.back(grad.contiguous(), ctx.shape), None, None

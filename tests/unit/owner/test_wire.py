@@ -77,6 +77,10 @@ def test_int8_sends_a_scale_per_row_and_brings_each_value_and_gradient_back_with
     sent[0].backward(arrived.grad)
     gstep = grad.abs().amax(dim=2, keepdim=True) / 127
     assert bool(((x.grad - grad).abs() <= gstep / 2 * 1.0001).all())
+    unused = torch.randn(4, 1, 8, 8, requires_grad=True)  # a value the next stage never reads (smp's first feature):
+    carrier = to_wire(unused, "int8")
+    carrier.backward(torch.zeros_like(carrier))  # what distributed autograd sends back for it: zeros, header too
+    assert torch.equal(unused.grad, torch.zeros(4, 1, 8, 8))
     zeros = from_wire(to_wire(torch.zeros(2, 5), "int8"), "int8")  # a row of zeros has no scale to divide by
     assert torch.equal(zeros, torch.zeros(2, 5))
     assert to_wire(torch.randn(4, 8, 4, 4), "int8").nbytes == 8 * 5 + 4 * 4 + 4 * 128  # 16-value maps: a scale a sample
