@@ -66,7 +66,8 @@ def from_wire(batch: Any, wire: str) -> Any:
 
 
 def _pack(x: torch.Tensor, shape: list[int] | None = None) -> torch.Tensor:
-    """``x`` (float32) as a 1-D float32 carrier: int64 ndim and shape, float32 scales, int8 values."""
+    """``x`` (float32) as a 1-D float32 carrier: int64 ndim and shape, float32 scales, int8 values.
+    (``shape`` is unused: :class:`_Hop` calls both directions alike.)"""
     rows, cols = _grid(list(x.shape))
     flat = x.detach().reshape(rows, cols)
     amax = flat.abs().amax(dim=1) if flat.numel() else flat.new_zeros(rows)

@@ -55,9 +55,10 @@ def test_plan_prints_the_schedules_plan():
     assert "when 0's gradients are merged" in text and "at most 3 micro-batches hold activations" in text
 
 
-def test_the_command_line_imports_no_torch_before_it_starts_the_fork_server():
-    """`rpcmp run` starts the fork server first, so that it imports torch while the command does
-    (see [Note: forked from a warm server]): the command's own modules must not import torch."""
+def test_the_command_line_modules_import_no_torch():
+    """The command's own modules import no torch, so that `rpcmp --help` and a mistyped option answer
+    at once; each command imports what it needs when it runs (`run --local` then forks its ranks from
+    itself, see [Note: forked from a warm server])."""
     import subprocess
     import sys
     code = "import sys, rpcmp.cli.commands; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
