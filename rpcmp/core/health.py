@@ -5,7 +5,9 @@ master's pending call fails; :func:`explain` then pings every owner to name the 
 that is gone. A worker that hangs (SIGSTOP, a deadlock, a swapped-out node) answers
 nothing and closes nothing: the :class:`Watchdog` pings every worker each second and,
 when one has not answered for ``Job.hang_timeout`` seconds, prints what happened and
-ends the master with exit code 3 (the launcher or torchrun then stops the others).
+ends the master with exit code 3 (the launcher or torchrun then stops the others). A worker
+whose ping fails at once has died: that is the master's pending call to report (exit 1, naming
+the step), and the watchdog ends the run only when that has not happened within ``GRACE`` seconds.
 
 With spares (``Job(spares=K)``, ``fence=True``) the watchdog does not end the run: it
 *fences* a silent worker instead, killing it when it runs on this machine (a process of
@@ -33,6 +35,8 @@ from .served import RunStatus
 
 __all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unresponsive"]
 
+GRACE = 10.0  # seconds the master has to report a dead worker before the watchdog does
+
 
 def _ping() -> int:
     return os.getpid()
@@ -51,16 +55,29 @@ def _identity() -> tuple[int, str]:
     return os.getpid(), _host_id()
 
 
-def unresponsive(processes, timeout: float) -> list[str]:
-    """The processes that do not answer a ping within ``timeout`` seconds (a dead one fails at once)."""
-    futs = {p: rpc.rpc_async(p, _ping, timeout=timeout) for p in processes}
-    bad = []
+def _pings(processes, timeout: float) -> dict[str, str | None]:
+    """Ping each process: None when it answered within ``timeout`` seconds, ``"silent"`` when it did
+    not answer in time (hung, stopped, unreachable), ``"gone"`` when the call failed before that (its
+    connections closed: the process died)."""
+    sent = time.monotonic()
+    done: dict[str, float] = {}
+    futs = {}
+    for p in processes:
+        futs[p] = rpc.rpc_async(p, _ping, timeout=timeout)
+        futs[p].add_done_callback(lambda _f, p=p: done.setdefault(p, time.monotonic()))
+    out = {}
     for p, fut in futs.items():
         try:
             fut.wait()
+            out[p] = None
         except Exception:  # noqa: BLE001 - any failure to answer is the finding
-            bad.append(p)
-    return bad
+            out[p] = "gone" if done.get(p, time.monotonic()) - sent < 0.9 * timeout else "silent"
+    return out
+
+
+def unresponsive(processes, timeout: float) -> list[str]:
+    """The processes that do not answer a ping within ``timeout`` seconds (a dead one fails at once)."""
+    return [p for p, why in _pings(processes, timeout).items() if why]
 
 
 def explain(exc: BaseException, processes, status: RunStatus, timeout: float = 3.0) -> BaseException:
@@ -107,16 +124,26 @@ class Watchdog(threading.Thread):
             self.identities = {w: f.wait() for w, f in futs.items()}
 
     def run(self) -> None:
+        gone_since: dict[str, float] = {}
         while not self._halt.wait(self.interval):
-            lost = unresponsive([w for w in self.workers if w not in self.fenced and w not in self.gone], self.timeout)
-            if lost and self.fence and not self._halt.is_set():
-                for w in lost:
+            pings = _pings([w for w in self.workers if w not in self.fenced and w not in self.gone], self.timeout)
+            if self.fence:
+                for w in [w for w, why in pings.items() if why and not self._halt.is_set()]:
                     self._fence(w)
                 continue
-            if lost and not self._halt.is_set():
-                print("rpcmp: error: WorkerLostError: " + self.status.describe(
-                    lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
-                    file=sys.stderr, flush=True)
+            # A dead worker (its ping failed at once) is the master's to report: its pending call fails
+            # at once too, naming the step (exit 1). One that hangs, and one dead for GRACE seconds
+            # with the run still going (a call waiting on it elsewhere), are ended here.
+            now = time.monotonic()
+            gone_since = {w: gone_since.get(w, now) for w, why in pings.items() if why == "gone"}
+            silent = [w for w, why in pings.items() if why == "silent"]
+            dead = [w for w, since in gone_since.items() if now - since >= min(self.timeout, GRACE)]
+            if (silent or dead) and not self._halt.is_set():
+                why = [] if not silent else [self.status.describe(
+                    silent, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)")]
+                why += [] if not dead else [self.status.describe(
+                    dead, "exited (its connections closed)")]
+                print("rpcmp: error: WorkerLostError: " + "; ".join(why), file=sys.stderr, flush=True)
                 for child in multiprocessing.active_children():  # local workers, even stopped ones
                     child.kill()
                 os._exit(3)

@@ -1,10 +1,13 @@
 """DDP heartbeats through a real TCPStore, in one process: no wall clocks, no silent death."""
+import threading
 import time
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
+from rpcmp.core import health
 from rpcmp.core.health import Heartbeats
 from rpcmp.launch.runtime import free_port
 from rpcmp.core.served import RunStatus
@@ -64,3 +67,50 @@ def test_the_heartbeat_thread_survives_store_errors_and_says_so(store, capfd):
         beats.join()
     err = capfd.readouterr().err
     assert err.count("the heartbeat store did not answer (RuntimeError: Connection reset by peer)") == 1, err
+
+
+def _fake_world(monkeypatch, dead=(), hung=()):
+    """Pings as TensorPipe answers them: a dead peer's call fails at once, a hung one's at the timeout."""
+    def rpc_async(to, fn, timeout):
+        fut = torch.futures.Future()
+        if to in dead:
+            fut.set_exception(RuntimeError("EOF: end of file"))
+        elif to in hung:
+            threading.Timer(timeout, fut.set_exception, (RuntimeError("RPC ran for more than set timeout"),)).start()
+        else:
+            fut.set_result(fn())
+        return fut
+    monkeypatch.setattr(health.rpc, "rpc_async", rpc_async)
+
+
+def test_a_ping_tells_a_dead_worker_from_a_silent_one(monkeypatch):
+    _fake_world(monkeypatch, dead={"worker1"}, hung={"worker2"})
+    assert health._pings(["worker1", "worker2", "worker3"], 0.3) == {"worker1": "gone", "worker2": "silent", "worker3": None}
+    assert health.unresponsive(["worker1", "worker2", "worker3"], 0.3) == ["worker1", "worker2"]
+
+
+@pytest.mark.parametrize("lost", ["dead", "hung"])
+def test_the_watchdog_leaves_a_dead_worker_to_the_master_for_a_while_and_ends_a_hung_one_at_once(monkeypatch, capfd, lost):
+    _fake_world(monkeypatch, dead={"worker1"} if lost == "dead" else (), hung={"worker1"} if lost == "hung" else ())
+    exits = []
+
+    def exit_(code):
+        exits.append((code, time.monotonic()))
+        raise SystemExit  # ends the watchdog's thread
+    monkeypatch.setattr(health.os, "_exit", exit_)
+    monkeypatch.setattr(health.multiprocessing, "active_children", lambda: [])
+    monkeypatch.setattr(health, "GRACE", 1.0)
+    status = RunStatus()
+    status.stages = {"worker1": ["stage 0"], "worker2": ["stage 1"]}
+    start = time.monotonic()
+    timeout = 3.0 if lost == "dead" else 0.3
+    dog = health.Watchdog(["worker1", "worker2"], timeout, status, interval=0.05)
+    dog.start()
+    dog.join(10)
+    assert [code for code, _ in exits] == [3]
+    err = capfd.readouterr().err
+    assert "WorkerLostError" in err and "worker1 (stage 0)" in err and "worker2" not in err, err
+    if lost == "dead":  # the master had GRACE seconds to report it first (its pending call fails at once too)
+        assert exits[0][1] - start >= 1.0 and "exited (its connections closed)" in err, err
+    else:
+        assert "hung or unreachable" in err, err
