@@ -34,10 +34,10 @@ sys.path.insert(0, JOBS)
 import bench_models as bm  # noqa: E402
 
 WARMUP, STEPS = 3, 9
-# Step times of the same configuration differ by 10-20% from one launch to the next on this
-# VM, more than the rpcmp / pipelining difference; those comparisons (MLP and split Unet)
-# alternate ROUNDS launches of each and take the median over them.
-ROUNDS = 3
+# Step times of the same configuration can differ by 10-20% from one launch to the next, more
+# than the rpcmp / pipelining difference; those comparisons (MLP and split Unet) alternate
+# ROUNDS launches of each (--rounds) and take the median over them.
+ROUNDS = 5
 MEMORY_BATCH = (16, 256)  # samples, image side: model and activations, not the runtime, dominate
 
 
@@ -288,42 +288,58 @@ def one_process(kind, threads):
     return _run(_one_process, kind, threads)
 
 
-@click.command()
-@click.option("--out", default="bench-results/bench.json", show_default=True)
-def main(out):
-    console = Console()
-    res = {}
+def mlp_rounds(console, res, rounds):
+    """rpcmp, pipelining, one process and the compute floor, ``rounds`` launches each, taking turns."""
     console.print(f"[bold]MLP 8x Linear(1024,1024)+ReLU, batch 256, 2 stages on 2 processes, 1 thread each; "
-                  f"rpcmp, pipelining, one process and the compute floor alternate, {ROUNDS} launches each")
-    rounds, alone = [], []
-    for _ in range(ROUNDS):
+                  f"rpcmp, pipelining, one process and the compute floor alternate, {rounds} launches each")
+    pairs, alone = [], []
+    for _ in range(rounds):
         ours = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False)
-        rounds.append((ours, spawn(_pipelining, 2, "mlp")))
+        pairs.append((ours, spawn(_pipelining, 2, "mlp")))
         # One process and the compute floor anchor the "vs one process" rows: a launch can
         # lose the second core to the host (2 threads read 153 ms once, 88-106 ms otherwise).
         alone.append({**{t: one_process("mlp", t) for t in (1, 2)},
                       **{f"bound_m{m}": _run(_compute_bound, m) for m in (1, 4, 8)}})
-    res["rpcmp_mlp"] = {m: statistics.median(r[0][m] for r in rounds) for m in rounds[0][0]}
-    res["pipelining_mlp"] = {k: statistics.median(r[1][k] for r in rounds) for k in rounds[0][1]}
-    res["mlp_m4_ratio_per_round"] = [r[0][4] / min(r[1]["gpipe_m4"], r[1]["1f1b_m4"]) for r in rounds]
-    res["mlp_rounds"] = [{"rpcmp": ours, "pipelining": peer} for ours, peer in rounds]
+    res["rpcmp_mlp"] = {m: statistics.median(r[0][m] for r in pairs) for m in pairs[0][0]}
+    res["pipelining_mlp"] = {k: statistics.median(r[1][k] for r in pairs) for k in pairs[0][1]}
+    res["mlp_ratio_per_round"] = {m: [ours[m] / _best_pipelining(peer, m) for ours, peer in pairs] for m in (1, 4, 8)}
+    res["mlp_rounds"] = [{"rpcmp": ours, "pipelining": peer} for ours, peer in pairs]
+    res["one_process_mlp"] = {t: statistics.median(a[t] for a in alone) for t in (1, 2)}
+    res["mlp_compute_bound"] = {m: statistics.median(a[f"bound_m{m}"] for a in alone) for m in (1, 4, 8)}
+    res["mlp_alone_rounds"] = alone
+
+
+def _best_pipelining(peer: dict, m: int) -> float:
+    return min(peer[k] for k in (f"gpipe_m{m}", f"1f1b_m{m}") if k in peer)
+
+
+@click.command()
+@click.option("--out", default="bench-results/bench.json", show_default=True)
+@click.option("--rounds", default=ROUNDS, show_default=True, help="Alternating launches of rpcmp and its peer.")
+@click.option("--only", type=click.Choice(["all", "mlp"]), default="all", show_default=True,
+              help="mlp: the loopback MLP comparison alone (rpcmp vs pipelining at M = 1, 4, 8).")
+def main(out, rounds, only):
+    console = Console()
+    res = {}
+    mlp_rounds(console, res, rounds)
+    if only == "mlp":
+        report_mlp(console, res)
+        _write(console, res, out)
+        return
     res["rpcmp_mlp_shm"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                         overrides={"transport": "shm"})
     res["rpcmp_mlp_gpipe"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                           overrides={"schedule": "gpipe"})
     res["rpcmp_mlp_1f1b"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
                                          overrides={"schedule": "1f1b"})
-    res["one_process_mlp"] = {t: statistics.median(a[t] for a in alone) for t in (1, 2)}
-    res["mlp_compute_bound"] = {m: statistics.median(a[f"bound_m{m}"] for a in alone) for m in (1, 4, 8)}
-    res["mlp_alone_rounds"] = alone
     console.print("[bold]DDP mode: the same MLP, 2 ranks x 128 samples, gloo, 1 thread each")
     res["rpcmp_ddp_mlp"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_ddp, master_in_process=False,
                                         overrides={"mode": "ddp"})
     res["handwritten_ddp_mlp"] = spawn(_ddp_handwritten, 2)
     console.print("[bold]split Unet (resnet34), batch 16 of 1x128x128, 3 stages on 3 processes, M = 4; "
-                  f"rpcmp and pipelining alternate, {ROUNDS} launches each")
+                  f"rpcmp and pipelining alternate, {rounds} launches each")
     rounds = [(launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False),
-               spawn(_pipelining, 3, "unet")) for _ in range(ROUNDS)]
+               spawn(_pipelining, 3, "unet")) for _ in range(rounds)]
     res["rpcmp_unet"] = statistics.median(ours for ours, _ in rounds)
     res["pipelining_unet"] = {k: statistics.median(peer[k] for _, peer in rounds) for k in rounds[0][1]}
     res["unet_ratio_per_round"] = [ours / min(peer.values()) for ours, peer in rounds]
@@ -342,9 +358,9 @@ def main(out):
     console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD "
                   f"(M = 4; and M = 8, overlap vs 1f1b)")
     # The largest process's peak moves by up to ~7% from one launch of the same code to the
-    # next (1762-1884 MiB seen): report the launch with the median one, of ROUNDS.
+    # next (1762-1884 MiB seen): report the launch with the median one, of the rounds.
     peaks = [launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory, master_in_process=False)
-             for _ in range(ROUNDS)]
+             for _ in range(rounds)]
     res["unet_memory_mib"] = sorted(peaks, key=lambda procs: max(procs.values()))[len(peaks) // 2]
     res["unet_memory_largest_per_round"] = [max(procs.values()) for procs in peaks]
     res["unet_memory_recompute_mib"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet_memory,
@@ -355,6 +371,10 @@ def main(out):
                                                           overrides={"microbatches": 8, "schedule": sched})
     res["one_process_unet_memory_mib"] = one_process("unet-memory", 1)
     report(console, res)
+    _write(console, res, out)
+
+
+def _write(console, res, out):
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(res, f, indent=2, default=str)
@@ -410,14 +430,22 @@ def report(console, res):
     table.add_row("peak RSS, largest split-Unet process, M=8: 1f1b vs overlap schedule", f"{capped:.0f} MiB",
                   f"{overlap:.0f} MiB", f"{capped / overlap:.2f}")
     console.print(table)
-    console.print(f"MLP M=4 medians over {len(res['mlp_m4_ratio_per_round'])} alternating launches; ratio per launch: "
-                  + ", ".join(f"{r:.2f}" for r in res["mlp_m4_ratio_per_round"]))
+    report_mlp(console, res)
     console.print(f"split Unet M=4 vs pipelining, medians over {len(res['unet_ratio_per_round'])} alternating "
                   "launches; ratio per launch: " + ", ".join(f"{r:.2f}" for r in res["unet_ratio_per_round"]))
     console.print(f"largest split-Unet process over {len(res['unet_memory_largest_per_round'])} launches: "
                   + ", ".join(f"{v:.0f} MiB" for v in res["unet_memory_largest_per_round"]))
     for key in ("unet_memory_mib", "unet_memory_recompute_mib"):
         console.print(f"{key} per process: " + ", ".join(f"{k} {v:.0f}" for k, v in res[key].items()))
+
+
+def report_mlp(console, res):
+    """The loopback MLP against pipelining's best schedule at each M: ratios of the medians and per launch."""
+    for m, per in res["mlp_ratio_per_round"].items():
+        ours, best = res["rpcmp_mlp"][m], _best_pipelining(res["pipelining_mlp"], m)
+        console.print(f"MLP M={m}: rpcmp {ours * 1e3:.1f} ms vs pipelining {best * 1e3:.1f} ms, ratio of the medians over "
+                      f"{len(per)} alternating launches {ours / best:.2f}; per launch: " + ", ".join(f"{r:.2f}" for r in per)
+                      + f" (median {statistics.median(per):.2f})")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,9 @@ from rpcmp.launch.local import launch_local
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "jobs"))
-from bench import ROUNDS, median_time, mlp_data, unet_data  # noqa: E402
+from bench import median_time, mlp_data, unet_data  # noqa: E402
+
+ROUNDS = 3  # alternating launches of each layout
 
 JOBS = {"mlp": os.path.join(HERE, "jobs", "mlp.py"), "unet": os.path.join(HERE, "jobs", "unet.py")}
 DATA = {"mlp": mlp_data, "unet": unet_data}

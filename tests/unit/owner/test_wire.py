@@ -5,11 +5,12 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rpcmp
 from helpers import assert_close_f32, batches, load, train_reference
 from rpcmp.core.wire import from_wire, to_wire
-from rpcmp.core.served import serve
+from rpcmp.core.served import current, serve
 
 
 def _train(job, wire, steps=4):
@@ -94,3 +95,42 @@ def test_int8_sends_a_scale_per_row_and_brings_each_value_and_gradient_back_with
 def test_another_wire_is_refused_by_name():
     with pytest.raises(rpcmp.JobError, match=r"Job.wire must be 'fp32'.*'bf16' or 'fp16'.*'int8'.*got 'int4'"):
         dataclasses.replace(load("mlp"), wire="int4")
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten operation run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("wire,each_way", [("fp32", []), ("bf16", ["_to_copy"]), ("fp16", ["_to_copy"])])
+def test_an_owner_copies_nothing_on_the_way_in_or_out_but_the_wire_format_asks(world, wire, each_way):
+    """Between what arrives over RPC and the module, and between the module and what goes to RPC
+    (the activation forward, its gradient back): no copy, no contiguous, no device move, for float32;
+    one cast each way for a half-precision wire. What RPC itself does (pickling the call once,
+    TensorPipe sending each tensor's memory) is beside it."""
+    serve(world)
+    pipe = rpcmp.Pipeline(dataclasses.replace(world, wire=wire), world_size=1)
+    middle = current().host(pipe.pid, 0)  # stage 0 of 2: what it sends on is converted to the wire format
+    last = current().host(pipe.pid, 1)  # it receives the wire format
+    for host in (middle, last):
+        host.module = torch.nn.Identity()  # so that every operation counted is the owner's own
+    x = torch.randn(8, 16, requires_grad=True)
+    with _Ops() as sending:
+        sent = middle._compute(x, True, 0)
+    arrived = sent.detach().requires_grad_()  # as RPC hands it over: a leaf of the next context
+    with _Ops() as receiving:
+        out = last._compute(arrived, True, 0)
+    g = torch.ones_like(out)
+    with _Ops() as back:  # the gradient comes back: through the receiver, then the sender
+        (g_arrived,) = torch.autograd.grad(out, arrived, g)
+        (g_x,) = torch.autograd.grad(sent, x, g_arrived)
+    assert (sending.names, receiving.names, back.names) == (each_way, each_way, each_way * 2)
+    assert g_x.dtype == torch.float32 and g_x.shape == x.shape
+    pipe.close()
