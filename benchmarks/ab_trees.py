@@ -1,5 +1,5 @@
 """Two source trees of rpcmp against each other (a commit before and after a change), in
-alternating launches of the bench's own MLP (M=4) or split-Unet step.
+alternating launches of the bench's own MLP or split-Unet step (M=4 unless ``--microbatches``).
 
     git worktree add /tmp/before <commit>
     .venv/bin/python benchmarks/ab_trees.py /tmp/before . --rounds 4 [--job unet] [--replicas 2]
@@ -48,9 +48,9 @@ def main(job, world):
             pipe = Replicated(job, world, partial(rpcmp.Pipeline, sample=x))
         return bench.median_time(lambda: pipe.train_step(x, y))
     try:
-        pipe = rpcmp.Pipeline(job, world, microbatches=4, sample=x)  # SplitAt traces on it
+        pipe = rpcmp.Pipeline(job, world, microbatches=int(sys.argv[4]), sample=x)  # SplitAt traces on it
     except TypeError:  # trees from before Pipeline(sample=...)
-        pipe = rpcmp.Pipeline(job, world, microbatches=4)
+        pipe = rpcmp.Pipeline(job, world, microbatches=int(sys.argv[4]))
     seconds = bench.median_time(lambda: pipe.train_step(x, y))
     pipe.close()
     return seconds
@@ -58,8 +58,8 @@ def main(job, world):
 if __name__ == "__main__":
     overrides = {}
     world = 2 if sys.argv[2] == "mlp" else 3
-    if len(sys.argv) > 4:  # the grid bench's 2 x 2 layout
-        world, overrides = 4, {"replicas": int(sys.argv[4]), "threads": 1, "microbatches": 2}
+    if len(sys.argv) > 5:  # the grid bench's 2 x 2 layout
+        world, overrides = 4, {"replicas": int(sys.argv[5]), "threads": 1, "microbatches": 2}
         overrides.update({"placement": "auto"} if sys.argv[2] == "mlp" else {"stages": rpcmp.SplitAt("decoder")})
     print("RESULT", launch_local(sys.argv[3], world, main, overrides=overrides, master_in_process=False))
 '''
@@ -71,7 +71,8 @@ if __name__ == "__main__":
               help="A job of this tree's benchmarks/jobs (unet_cut: the Unet cut inside its encoder, SplitAt).")
 @click.option("--rounds", type=int, default=4, show_default=True)
 @click.option("--replicas", type=int, default=1, show_default=True, help="2: 2 replicas x 2 stages on 4 processes.")
-def main(trees, job, rounds, replicas):
+@click.option("--microbatches", type=int, default=4, show_default=True)
+def main(trees, job, rounds, replicas, microbatches):
     times = {t: [] for t in trees}
     launcher = os.path.join(tempfile.mkdtemp(), "launch.py")  # a file: spawned children re-import the main module
     with open(launcher, "w") as f:
@@ -81,7 +82,7 @@ def main(trees, job, rounds, replicas):
             tree_abs = os.path.abspath(tree)
             job_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "jobs", job + ".py")  # same in both
             grid = [str(replicas)] if replicas > 1 else []
-            out = subprocess.run([sys.executable, launcher, tree_abs, "mlp" if job == "mlp" else "unet", job_file, *grid],
+            out = subprocess.run([sys.executable, launcher, tree_abs, "mlp" if job == "mlp" else "unet", job_file, str(microbatches), *grid],
                                  capture_output=True, text=True,
                                  cwd=tree_abs, timeout=600, env=tree_env(tree_abs))
             found = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]

@@ -24,9 +24,15 @@ class LocalMerge:
         pass
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
-        """Add context ``ctx_ids[i]``'s gradients into ``ctx_ids[into]`` on every owner."""
-        raise_failures(wait_all([rpc.rpc_async(o, stage.merge_grads, args=(pipe.pid, ctx_ids[into], ctx_ids[i]))
-                                 for o in pipe.param_owners]))
+        """Add context ``ctx_ids[i]``'s gradients into ``ctx_ids[into]`` on every owner: by RPC on the
+        others, by a call on this one (a stage on the master: an RPC to itself costs two messages a
+        micro-batch for nothing)."""
+        me = rpc.get_worker_info().name
+        args = (pipe.pid, ctx_ids[into], ctx_ids[i])
+        futs = [rpc.rpc_async(o, stage.merge_grads, args=args) for o in pipe.param_owners if o != me]
+        if me in pipe.param_owners:
+            stage.merge_grads(*args)
+        raise_failures(wait_all(futs))
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         """The loss the step's policy decides on; None: this copy leaves the decision to another."""
