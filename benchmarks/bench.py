@@ -309,6 +309,15 @@ def mlp_rounds(console, res, rounds):
     res["mlp_alone_rounds"] = alone
 
 
+def hops(console, res):
+    console.print("[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers")
+    res["hop_s"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False)
+    res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
+                                    overrides={"transport": "shm"})
+    res["bare_hop_s"] = {t: spawn(_bare_hops, 4, t) for t in ("uv", "shm")}
+    res["one_message_hop_s"] = {t: spawn(_bare_hops, 4, t, False) for t in ("uv", "shm")}
+
+
 def _best_pipelining(peer: dict, m: int) -> float:
     return min(peer[k] for k in (f"gpipe_m{m}", f"1f1b_m{m}") if k in peer)
 
@@ -316,11 +325,17 @@ def _best_pipelining(peer: dict, m: int) -> float:
 @click.command()
 @click.option("--out", default="bench-results/bench.json", show_default=True)
 @click.option("--rounds", default=ROUNDS, show_default=True, help="Alternating launches of rpcmp and its peer.")
-@click.option("--only", type=click.Choice(["all", "mlp"]), default="all", show_default=True,
-              help="mlp: the loopback MLP comparison alone (rpcmp vs pipelining at M = 1, 4, 8).")
+@click.option("--only", type=click.Choice(["all", "mlp", "hops"]), default="all", show_default=True,
+              help="mlp: the loopback MLP comparison alone (rpcmp vs pipelining at M = 1, 4, 8); hops: the per-hop "
+                   "rows alone (rpcmp against its floors, uv and shm).")
 def main(out, rounds, only):
     console = Console()
     res = {}
+    if only == "hops":
+        hops(console, res)
+        report_hops(console, res)
+        _write(console, res, out)
+        return
     mlp_rounds(console, res, rounds)
     if only == "mlp":
         report_mlp(console, res)
@@ -349,12 +364,7 @@ def main(out, rounds, only):
     res["rpcmp_unet_recompute"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
                                                overrides={"recompute": True})
     res["hand_rpc_unet"] = spawn(_hand_rpc, 3)
-    console.print("[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers")
-    res["hop_s"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False)
-    res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
-                                    overrides={"transport": "shm"})
-    res["bare_hop_s"] = {t: spawn(_bare_hops, 4, t) for t in ("uv", "shm")}
-    res["one_message_hop_s"] = {t: spawn(_bare_hops, 4, t, False) for t in ("uv", "shm")}
+    hops(console, res)
     console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD "
                   f"(M = 4; and M = 8, overlap vs 1f1b)")
     # The largest process's peak moves by up to ~7% from one launch of the same code to the
@@ -412,13 +422,7 @@ def report(console, res):
     ours, hand = res["rpcmp_unet"], res["hand_rpc_unet"]
     table.add_row("split Unet M=4 vs hand-written RemoteModule RPC", f"{ours * 1e3:.0f} ms", f"{hand * 1e3:.0f} ms",
                   f"{ours / hand:.2f} (throughput x{hand / ours:.2f})")
-    for t, key in (("uv", "hop_s"), ("shm", "hop_s_shm")):
-        table.add_row(f"overhead per hop, forward + backward ({t}) vs bare nested RPC + dist autograd",
-                      f"{res[key] * 1e3:.3f} ms", f"{res['bare_hop_s'][t] * 1e3:.3f} ms",
-                      f"{res[key] / res['bare_hop_s'][t]:.2f}")
-        floor = 2 * res["one_message_hop_s"][t]
-        table.add_row(f"  its floor ({t}): 2 one-way messages (bare forward chain, no autograd, x2)",
-                      f"{res[key] * 1e3:.3f} ms", f"{floor * 1e3:.3f} ms", f"{res[key] / floor:.2f}")
+    _hop_rows(table, res)
     table.add_row("split Unet M=4, recompute vs not", f"{res['rpcmp_unet_recompute'] * 1e3:.0f} ms",
                   f"{res['rpcmp_unet'] * 1e3:.0f} ms", f"{res['rpcmp_unet_recompute'] / res['rpcmp_unet']:.2f}")
     one = res["one_process_unet_memory_mib"]
@@ -437,6 +441,24 @@ def report(console, res):
                   + ", ".join(f"{v:.0f} MiB" for v in res["unet_memory_largest_per_round"]))
     for key in ("unet_memory_mib", "unet_memory_recompute_mib"):
         console.print(f"{key} per process: " + ", ".join(f"{k} {v:.0f}" for k, v in res[key].items()))
+
+
+def _hop_rows(table, res):
+    for t, key in (("uv", "hop_s"), ("shm", "hop_s_shm")):
+        table.add_row(f"overhead per hop, forward + backward ({t}) vs bare nested RPC + dist autograd",
+                      f"{res[key] * 1e3:.3f} ms", f"{res['bare_hop_s'][t] * 1e3:.3f} ms",
+                      f"{res[key] / res['bare_hop_s'][t]:.2f}")
+        floor = 2 * res["one_message_hop_s"][t]
+        table.add_row(f"  its floor ({t}): 2 one-way messages (bare forward chain, no autograd, x2)",
+                      f"{res[key] * 1e3:.3f} ms", f"{floor * 1e3:.3f} ms", f"{res[key] / floor:.2f}")
+
+
+def report_hops(console, res):
+    table = Table(title="rpcmp per hop (median step time / hops; ratio < 1 means rpcmp is faster)")
+    for col in ("comparison", "rpcmp", "peer", "ratio rpcmp/peer"):
+        table.add_column(col, justify="left" if col == "comparison" else "right")
+    _hop_rows(table, res)
+    console.print(table)
 
 
 def report_mlp(console, res):

@@ -48,6 +48,8 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
             f"a batch of {n} samples cannot be split into {chunks} micro-batches: "
             f"set microbatches <= {n} or use a batch of at least {chunks} samples"
         )
+    if chunks == 1:
+        return [batch]
     return [map_tensors(batch, lambda t, i=i: t.tensor_split(chunks)[i]) for i in range(chunks)]
 
 
@@ -90,4 +92,6 @@ def map_tensors(batch: Any, fn):
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Move every tensor of ``batch`` to ``device`` (differentiable)."""
+    if all(t.device == device for t in tensors(batch)):  # the common case: nothing to rebuild
+        return batch
     return map_tensors(batch, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))

@@ -61,8 +61,8 @@ class _MicroBatches:
         self.seqs = pipe.next_seqs(m)
         self.ctx_ids, self.losses, self.errors = [0] * m, [None] * m, []
         self.lock = threading.Lock()
-        self.backward_done, self.stepped = threading.Barrier(m + 1), threading.Event()
-        self.merged = [threading.Event() for _ in range(m)]
+        # made in _threaded (a step of one micro-batch runs on the calling thread: _alone)
+        self.backward_done = self.stepped = self.merged = None
         self.gathered = plan.loss is Loss.GATHERED
         # kept once for check_loss (a loss per micro-batch), or for the loss on the gathered batch
         self.outs = [None] * m if self.gathered or (m > 1 and not pipe.loss_checked) else None
@@ -76,16 +76,10 @@ class _MicroBatches:
         pipe = self.pipe
         if pipe.optimizer is not None:
             pipe.sync.begin(pipe, self.seqs[0], len(self.xs))
-        futs = [pipe.micro_threads(len(self.xs)).submit(self._micro, i) for i in range(len(self.xs))]
-        try:
-            self.backward_done.wait()
-            pipe.apply_step(self.ctx_ids[0], self._total())
-        except threading.BrokenBarrierError:
-            pass
-        finally:
-            self.stepped.set()
-            for f in futs:
-                f.result()
+        if len(self.xs) == 1:
+            self._alone()
+        else:
+            self._threaded()
         if self.errors:
             inbox.abandon(pipe.pid, self.seqs)
             pipe.resync()
@@ -97,8 +91,38 @@ class _MicroBatches:
             pipe.check_loss(self.outs, self.y, total)
         return total
 
+    def _alone(self) -> None:
+        """One micro-batch: on this thread, with no thread, barrier or event to hand it over (each costs
+        tens of microseconds, per step)."""
+        with dist_autograd.context() as ctx:
+            self.ctx_ids[0] = ctx
+            try:
+                self._forward_backward(0, ctx)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run(), as a micro-batch thread's is
+                self.errors.append((0, exc))
+                return
+            self.pipe.apply_step(ctx, self._total())
+
+    def _threaded(self) -> None:
+        """Each micro-batch on a thread of its own, entering when the plan says; this thread takes the
+        optimizer step once every backward is done, while the first context still holds the sum."""
+        pipe, m = self.pipe, len(self.xs)
+        self.backward_done, self.stepped = threading.Barrier(m + 1), threading.Event()
+        self.merged = [threading.Event() for _ in range(m)]
+        futs = [pipe.micro_threads(m).submit(self._micro, i) for i in range(m)]
+        try:
+            self.backward_done.wait()
+            pipe.apply_step(self.ctx_ids[0], self._total())
+        except threading.BrokenBarrierError:
+            pass
+        finally:
+            self.stepped.set()
+            for f in futs:
+                f.result()
+
     def _total(self) -> torch.Tensor:
-        return self.losses[0] if self.gathered else torch.stack(self.losses).sum()
+        one = self.gathered or len(self.losses) == 1  # a sum of one is that one, exactly
+        return self.losses[0] if one else torch.stack(self.losses).sum()
 
     def _micro(self, i: int) -> None:
         try:

@@ -27,7 +27,8 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) 
     stage (``owners[k]`` holds stage k) is told to skip ``seq``, so that the stages after
     the failure do not wait for it with later micro-batches.
     """
-    awaited = current().inbox
+    served = current()
+    awaited = served.inbox
     out = awaited.expect((pid, seq))
 
     def failed(chain: torch.futures.Future) -> None:
@@ -45,7 +46,7 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) 
                 rpc.rpc_async(owner, stage.skip, args=(pid, index, seq))
             except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
                 pass
-    rpc.rpc_async(first, stage.forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
+    rpc.rpc_async(served.worker(first), stage.forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
     return out
 
 

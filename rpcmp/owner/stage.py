@@ -220,7 +220,8 @@ def _done(value: Any) -> torch.futures.Future:
 def forward(pid: int, index: int, seq: int, x: Any, grad: bool, sent: float | None = None) -> torch.futures.Future:
     """Run micro-batch ``seq`` through stage ``index`` and hand it on. ``sent``: while tracing, when the stage
     before started sending it (its transfer is a slice of the timeline: rpcmp.train.timeline)."""
-    host = current().host(pid, index)
+    served = current()
+    host = served.host(pid, index)
     if sent is not None and host.events is not None:
         host.events.append(("T", seq, sent, time.time()))
     try:
@@ -238,12 +239,12 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool, sent: float | No
         posted = [rpc.rpc_async(host.owners[j], post, args=(pid, j, seq, values)) for j, values in posts.items()]
     if host.next_process is not None:
         traced = (time.time(),) if host.events is not None else ()
-        nxt = rpc.rpc_async(host.next_process, forward, args=(pid, index + 1, seq, y, grad, *traced))
+        nxt = rpc.rpc_async(served.worker(host.next_process), forward, args=(pid, index + 1, seq, y, grad, *traced))
     elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
         host.deliver(pid, seq, y)
         nxt = _done(None)
     else:
-        nxt = rpc.rpc_async(MASTER, host.deliver, args=(pid, seq, y))
+        nxt = rpc.rpc_async(served.worker(MASTER), host.deliver, args=(pid, seq, y))
     if not posted:
         return nxt
     return torch.futures.collect_all([nxt, *posted]).then(lambda done: [f.wait() for f in done.wait()][0])

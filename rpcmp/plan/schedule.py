@@ -10,6 +10,7 @@ checked by unit tests; the executor runs any plan. Why each schedule is what it 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import Enum
 
@@ -62,6 +63,7 @@ class Plan:
         return rows
 
 
+@functools.lru_cache(maxsize=64)  # a plan is frozen: one per (schedule, M, S), not one per step
 def make_plan(name: str, microbatches: int, stages: int) -> Plan:
     """The plan of schedule ``name`` for ``microbatches`` micro-batches over ``stages`` stages."""
     if name not in SCHEDULES:
