@@ -21,7 +21,8 @@ import torch.utils._pytree as pytree
 
 from ..errors import MicroBatchError, StageOutputError
 
-__all__ = ["scatter", "gather", "batch_size", "check_tensors", "to_device", "has_tensors", "tensors", "map_tensors"]
+__all__ = ["scatter", "gather", "batch_size", "check_tensors", "to_device", "has_tensors", "tensors", "map_tensors",
+           "compact"]
 
 
 def batch_size(batch: Any) -> int:
@@ -95,3 +96,17 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     if all(t.device == device for t in tensors(batch)):  # the common case: nothing to rebuild
         return batch
     return map_tensors(batch, lambda t: t if t.device == device else t.to(device, non_blocking=non_blocking))
+
+
+def compact(batch: Any) -> Any:
+    """``batch`` with every tensor that is a view of a larger storage (a micro-batch cut from its batch)
+    copied into storage of its own. TensorPipe sends a tensor's whole storage unless that is at least twice
+    the tensor (torch then clones it before sending), so a view of more than half a storage, as the larger
+    micro-batch of an odd batch in two, would cross the wire whole: up to twice its bytes. A view of half or
+    less costs the same copy either way; a tensor that owns its storage is sent as it is.
+
+    >>> x = torch.arange(10.)
+    >>> [compact(part).untyped_storage().nbytes() for part in x.tensor_split(2)], compact(x) is x
+    ([20, 20], True)
+    """
+    return map_tensors(batch, lambda t: t.clone() if t.untyped_storage().nbytes() > t.nbytes else t)

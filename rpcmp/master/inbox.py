@@ -11,6 +11,7 @@ import torch.distributed.rpc as rpc
 
 from ..owner import stage
 from ..core.failure import Failure
+from ..core.microbatch import compact
 from ..core.served import current
 
 __all__ = ["send", "deliver", "abandon", "cancel"]
@@ -46,7 +47,7 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) 
                 rpc.rpc_async(owner, stage.skip, args=(pid, index, seq))
             except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
                 pass
-    rpc.rpc_async(served.worker(first), stage.forward, args=(pid, 0, seq, x, grad)).add_done_callback(failed)
+    rpc.rpc_async(served.worker(first), stage.forward, args=(pid, 0, seq, compact(x), grad)).add_done_callback(failed)
     return out
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rpcmp.errors import MicroBatchError, StageOutputError
-from rpcmp.core.microbatch import batch_size, check_tensors, gather, scatter
+from rpcmp.core.microbatch import batch_size, check_tensors, compact, gather, scatter
 
 
 def test_tensor_round_trip_uneven():
@@ -55,3 +55,15 @@ def test_a_stage_output_with_none_is_refused_where_it_is():
     with pytest.raises(StageOutputError, match=r"the output of stage 1\[1\]\['mask'\] is a NoneType"):
         check_tensors((torch.ones(1), {"mask": None}), "the output of stage 1")
     check_tensors((torch.ones(1), {"mask": torch.ones(1)}), "the output of stage 1")
+
+
+def test_a_micro_batch_goes_to_the_wire_in_storage_of_its_own_and_a_whole_tensor_as_it_is():
+    x = torch.randn(5, 4096, requires_grad=True)  # an odd batch in two: the first part is 3/5 of the storage
+    first, second = (compact(p) for p in scatter({"x": x, "ids": torch.arange(5)}, 2))
+    for part, rows in ((first, 3), (second, 2)):
+        assert part["x"].untyped_storage().nbytes() == rows * 4096 * 4 and part["ids"].untyped_storage().nbytes() == rows * 8
+    torch.testing.assert_close(torch.cat([first["x"], second["x"]]), x, rtol=0, atol=0)
+    first["x"].sum().backward()  # still the batch's: its gradient reaches x
+    assert x.grad[:3].eq(1).all() and x.grad[3:].eq(0).all()
+    whole = {"x": torch.randn(4, 3)}
+    assert compact(whole)["x"] is whole["x"]
