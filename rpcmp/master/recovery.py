@@ -45,11 +45,13 @@ __all__ = ["Snapshots", "RolledBack", "cannot_replace", "rebuild_on_spare", "ins
 
 class RolledBack(Exception):
     """A lost owner was replaced in place and every stage rolled back: the trainer goes on from
-    ``position`` = (step, epoch, next batch) and says ``line``."""
+    ``position`` = (step, epoch, next batch) and says ``line``. With ``stood`` (a loss), nothing rolled
+    back: the failed step had been taken by a live copy (see [Note: a step some copies took] in
+    :mod:`rpcmp.master.livecopy`), and that is its loss."""
 
-    def __init__(self, position: tuple[int, int, int], line: str):
+    def __init__(self, position: tuple[int, int, int], line: str, stood: float | None = None):
         super().__init__(line)
-        self.position, self.line = position, line
+        self.position, self.line, self.stood = position, line, stood
 
 
 class Snapshots:

@@ -68,11 +68,12 @@ class ReplicaSync:
     def __init__(self, copies: int, timeout: float | None = None):
         self.copies, self._losses = copies, [None] * copies
         self._barrier = threading.Barrier(copies, timeout=timeout)
+        self.mean: torch.Tensor | None = None  # of the last meeting: the step's loss
 
     def meet(self, index: int, loss: torch.Tensor) -> torch.Tensor:
         self._losses[index] = loss.detach()
         self._barrier.wait()
-        mean = torch.stack(self._losses).mean(0)
+        mean = self.mean = torch.stack(self._losses).mean(0)
         self._barrier.wait()  # nobody overwrites a loss of this step before everyone has read them
         return mean
 
@@ -123,6 +124,7 @@ class Replicated:
                                            for i in range(self.copies)]]
         self.status = self.pipes[0].status
         self.label_stages()
+        self.taken: list[int] = []
 
     def label_stages(self) -> None:
         """What failure messages say each process holds, from where the copies' stages are now."""
@@ -142,10 +144,15 @@ class Replicated:
                            f"copy's loss is the mean over its share, and the copies' gradients are averaged): give "
                            f"batches of a multiple of {self.copies} samples")
         self.meeting.reset()
+        self.taken = []  # the copies whose step ended: see [Note: a step some copies took] in rpcmp/master/livecopy.py
+        for pipe in self.pipes:
+            pipe.sync.reached = False
 
         def step(i, pipe):
             try:
-                return pipe.train_step(shard(x, i, self.copies), shard(y, i, self.copies), chunks)
+                loss = pipe.train_step(shard(x, i, self.copies), shard(y, i, self.copies), chunks)
+                self.taken.append(i)
+                return loss
             except BaseException:
                 self.meeting.abort()  # the others stop waiting for this copy
                 pipe.settle_reduce(wait=False)  # nor does any of their stages' all_reduces

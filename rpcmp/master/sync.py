@@ -48,6 +48,7 @@ class ReplicaReduce:
     def __init__(self, index: int, meeting):
         self.index, self.meeting = index, meeting  # meeting: the rpcmp.master.replicas.ReplicaSync of the copies
         self.mark = False  # with spares: every owner marks the step's start (see [Note: a step marked, to be run again])
+        self.reached = False  # this step's gradients are averaged: from here on the optimizer may change the stages
 
     def begin(self, pipe, first_seq: int, count: int) -> None:
         """The owners learn the step's micro-batches before they arrive (see [Note: the average overlaps
@@ -64,6 +65,7 @@ class ReplicaReduce:
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         loss = self.meeting.meet(self.index, loss.detach().float())  # every copy's backward is done
         raise_failures(wait_all([rpc.rpc_async(o, stage.average_grads, args=(pipe.pid, ctx_id)) for o in pipe.param_owners]))
+        self.reached = True
         # The copies decide alike on the same mean loss; only the first says so (a warning, an error).
         if self.index and not torch.isfinite(loss).all():
             return None

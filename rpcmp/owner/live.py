@@ -4,9 +4,10 @@ the master's side: :mod:`rpcmp.master.livecopy`).
 [Note: a step marked, to be run again]
 The copies of a stage hold the same parameters and optimizer state after every step, and the
 same generators (each process seeds alike and draws alike: the copies see shares of one size).
-A step that fails leaves the parameters and the optimizer alone (no copy steps: they meet
-before the step), but its forwards have moved what a forward moves: BatchNorm's running
-statistics and the generators (dropout). So at the start of each step every owner marks
+A step that fails before the copies have met and averaged leaves the parameters and the
+optimizer alone (one that fails later: see [Note: a step some copies took] in
+:mod:`rpcmp.master.livecopy`), but its forwards have moved what a forward moves: BatchNorm's
+running statistics and the generators (dropout). So at the start of each step every owner marks
 them (:func:`begin`: a copy of the stages' buffers, which are small, and of the process's
 generator states); after a loss every surviving owner returns to its mark (:func:`unmark`), and
 the same step runs again on the same batch: no step is lost or trained twice.

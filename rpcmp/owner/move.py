@@ -55,13 +55,16 @@ def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False
             "counters": {k: getattr(host, k) for k in _COUNTERS}, "prefix": host.spec.prefix}
 
 
-def take_stage(pid: int, index: int, source: str, optim_rref, rng: bool, source_pid: int | None = None) -> None:
-    """Fill the stage ``index`` just built here with the values of its copy on ``source`` (of pipeline
-    ``source_pid``: another copy of a replicated pipeline; default ``pid``)."""
+def take_stage(pid: int, index: int, source: str, optim_rref, rng: bool, source_pid: int | None = None,
+               counters: bool = True) -> None:
+    """Fill the stage ``index`` here (just built; or, not ``counters``, a stage that keeps the figures it
+    counted) with the values of its copy on ``source`` (of pipeline ``source_pid``: another copy of a
+    replicated pipeline; default ``pid``)."""
     host = current().host(pid, index)
     got = rpc.rpc_sync(source, export_stage, args=(pid if source_pid is None else source_pid, index, optim_rref, rng),
                        timeout=host.timeout)
-    fill_stage(host, got, f"moving stage {index} ({host.spec.name}) from {source} to {rpc.get_worker_info().name}")
+    fill_stage(host, got, f"moving stage {index} ({host.spec.name}) from {source} to {rpc.get_worker_info().name}",
+               counters=counters)
 
 
 def fill_stage(host, got: dict[str, Any], where: str, counters: bool = True, copy: bool = False) -> None:

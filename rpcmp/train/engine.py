@@ -84,6 +84,7 @@ class PipelineEngine:
         # With replicas, from the live copy instead (see [Note: recovery from a live copy]).
         self.live = LiveCopies(pipe, self.spares) if self.spares and self.replicated else None
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
+        self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
         self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
@@ -106,7 +107,11 @@ class PipelineEngine:
             recovery.settle()  # the owners' copies of the last snapshot are made: the step may change them
             loss = self.pipe.train_step(x, y, chunks=self.pipe.batch_chunks * len(group))
         except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
-            raise recovery.recover(exc, self.at) from exc  # a RolledBack, or exc itself
+            back = recovery.recover(exc, self.at)  # a RolledBack, or exc itself
+            if back.stood is None:
+                raise back from exc
+            self.said.append(back.line)  # the step stood: after_step says how
+            return back.stood, batch_size(x)
         return loss.item(), batch_size(x)
 
     def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None:
@@ -115,6 +120,7 @@ class PipelineEngine:
         place. Returns what changed, for the log, or None."""
         self.at = (step, *position)
         notes = [self.rebalancer.after_step(step)] if self.rebalancer is not None and not first else []
+        notes, self.said = self.said + notes, []
         control = current().control
         if control is not None and not first:
             notes += [self._drain(control, number, rank, nonce) if action == "drain" else self._measure(control, number, nonce)

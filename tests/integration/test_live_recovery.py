@@ -138,19 +138,52 @@ def test_a_stage_s_own_error_with_spares_is_said_as_itself_not_recovered():
     assert name == "StageError" and "backward exploded" in text and lost == []
 
 
+REPLICATED = ("--local", "6", "--spares", "1", "--max-steps", "40")
+
+
+@pytest.fixture(scope="module")
+def replicated_clean(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("replicated") / "clean"
+    done = subprocess.run(_command(folder, *REPLICATED, job="replicated_dies"), capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return folder
+
+
+def _losses(folder) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, open(str(folder) + ".jsonl")) if r.get("kind") == "step"]
+
+
+def _assert_as_uninterrupted(folder, clean) -> None:
+    """No step trained twice or skipped, the same losses and the same model as the run nobody hit."""
+    got, want = _losses(folder), _losses(clean)
+    assert [s for s, _ in got] == list(range(1, 41))
+    torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]))
+    assert_close_f32(load_checkpoint(str(folder))["model"], load_checkpoint(str(clean))["model"])
+
+
 @pytest.mark.timeout(300)
-def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_lost(tmp_path):
+def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_lost(tmp_path, replicated_clean):
     """Two copies of two stages (dropout in stage 0) and a spare: any owner killed at a random step."""
-    replicated = ("--local", "6", "--spares", "1", "--max-steps", "40")
-    clean = subprocess.run(_command(tmp_path / "clean", *replicated, job="replicated"), capture_output=True, text=True,
-                           timeout=240)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
     at, victim = random.randint(3, 15), f"worker{random.randint(1, 4)}"
     print(f"killing {victim} at step {at}")
-    code, out = _run_and_hit(tmp_path / "run", [(at, victim, signal.SIGKILL)], *replicated, job="replicated")
+    code, out = _run_and_hit(tmp_path / "run", [(at, victim, signal.SIGKILL)], *REPLICATED, job="replicated_dies")
     assert code == 0, out
     assert out.count(f"recovered: {victim} was lost") == 1 and "rebuilt on worker5 from the live copy on" in out, out
     assert "no step lost" in out, out
-    steps = [r["step"] for r in map(json.loads, open(str(tmp_path / "run") + ".jsonl")) if r.get("kind") == "step"]
-    assert steps == list(range(1, 41))  # no step trained twice, none skipped
-    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], load_checkpoint(str(tmp_path / "clean"))["model"])
+    _assert_as_uninterrupted(tmp_path / "run", replicated_clean)
+
+
+@pytest.mark.timeout(300)
+def test_an_owner_lost_in_its_optimizer_step_while_the_other_copy_steps_loses_no_step(tmp_path, replicated_clean):
+    """The owner dies inside its optimizer step: the copies have met and averaged, the other copy takes the
+    step (and its own copy's other owner may have taken it too): the step stands, taken from the other copy."""
+    at, victim = random.randint(2, 15), f"worker{random.randint(1, 4)}"
+    print(f"{victim} dies in its optimizer step {at}")
+    done = subprocess.run(_command(tmp_path / "run", *REPLICATED, job="replicated_dies"), capture_output=True,
+                          text=True, timeout=240, env={**os.environ, "DIE_IN_STEP": f"{victim}:{at}", "COLUMNS": "200"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert out.count(f"recovered: {victim} was lost") == 1, out
+    assert f"no step lost (step {at} stood: replica" in out and "other stages retaken from the same copy" in out, out
+    _assert_as_uninterrupted(tmp_path / "run", replicated_clean)

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rpcmp.master.livecopy import LiveCopies
 from rpcmp.master.replicas import ReplicaSync
 from rpcmp.master.sync import LocalMerge, ReplicaReduce
 
@@ -34,3 +35,35 @@ def test_copies_decide_on_the_mean_loss():
 def test_a_non_finite_mean_is_reported_by_the_first_copy_only():
     first, second = _copies([1.0, float("nan")])
     assert torch.isnan(first) and second is None
+
+
+def test_copies_past_the_meeting_say_so_and_the_meeting_keeps_the_step_s_loss():
+    meeting = ReplicaSync(2, timeout=10)
+    syncs = [ReplicaReduce(i, meeting) for i in range(2)]
+    threads = [threading.Thread(target=s.before_step, args=(PIPE, 1, torch.tensor(float(i + 1)))) for i, s in enumerate(syncs)]
+    [t.start() for t in threads]
+    [t.join(10) for t in threads]
+    assert [s.reached for s in syncs] == [True, True] and float(meeting.mean) == 1.5
+
+
+def _plan(r, copies, taken=(), reached=(), in_step=True):
+    pipes = [SimpleNamespace(sync=SimpleNamespace(reached=q in reached)) for q in range(copies)]
+    live = LiveCopies.__new__(LiveCopies)
+    live.rep = SimpleNamespace(pipes=pipes, taken=list(taken))
+    return live._plan(r, in_step)
+
+
+def test_a_step_a_copy_took_stands_and_the_copies_that_did_not_take_it_are_refilled():
+    assert _plan(0, 2, taken=[1], reached=[0, 1]) == (1, [0], True)
+    assert _plan(1, 3, taken=[2, 0], reached=[0, 1, 2]) == (0, [1], True)
+
+
+def test_a_step_nobody_took_runs_again_from_a_copy_that_never_got_past_the_average():
+    assert _plan(0, 2) == (1, [], False)  # lost before the meeting: nothing changed anywhere
+    assert _plan(0, 2, reached=[0]) == (1, [0], False)  # its own copy may have stepped in part
+    assert _plan(0, 3, reached=[0, 1]) == (2, [0, 1], False)
+    assert _plan(0, 2, reached=[0, 1]) == (None, [0, 1], False)  # every copy may have stepped: not exact, not done
+
+
+def test_between_steps_the_next_copy_is_the_source():
+    assert _plan(1, 2, taken=[], in_step=False) == (0, [], False)
