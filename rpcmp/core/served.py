@@ -119,9 +119,17 @@ class Served:
         self.keep_run = None
         self._pipeline_ids = itertools.count()
         self._workers: dict[str, Any] = {}
+        self._me: str | None = None
 
     def next_pipeline_id(self) -> int:
         return next(self._pipeline_ids)
+
+    @property
+    def me(self) -> str:
+        """This process's name in the RPC world, looked up once per run."""
+        if self._me is None:
+            self._me = rpc.get_worker_info().name
+        return self._me
 
     def worker(self, name: str):
         """Process ``name``'s RPC ``WorkerInfo``, looked up once per run (``rpc_async`` given a name looks it up

@@ -74,7 +74,7 @@ from ..errors import JobError, StageError
 from ..data import needs_sample, sample_batch
 from .executor import run_step
 from .sync import LocalMerge
-from ..core.futures import raise_failures, wait_all
+from ..core.futures import call_each, raise_failures, wait_all
 from ..core.hparams import StageFields
 from ..plan.schedule import SCHEDULES
 from ..core.microbatch import batch_size, gather, map_tensors, scatter
@@ -257,12 +257,12 @@ class Pipeline(PipelineState):
         if not self.gradients.needs_norm:
             return True
         skip = tied.norm_skips(self.specs, self.owners)  # a shared parameter counts once
-        sq = wait_all([rpc.rpc_async(o, grads.grad_sq_norm, args=(self.pid, ctx_id, skip.get(o, ()))) for o in self.param_owners])
+        sq = call_each(self.param_owners, grads.grad_sq_norm, lambda o: (self.pid, ctx_id, skip.get(o, ())))
         coef = self.gradients.coefficient(math.sqrt(sum(sq)))
         if coef is None:
             return False
         if coef != 1.0:
-            wait_all([rpc.rpc_async(o, grads.scale_grads, args=(self.pid, ctx_id, coef)) for o in self.param_owners])
+            call_each(self.param_owners, grads.scale_grads, (self.pid, ctx_id, coef))
         return True
 
     # -- policy state the trainer reads and checkpoints ------------------------------------

@@ -9,9 +9,8 @@ step on the mean loss. The pipeline holds one of them and never asks which.
 from __future__ import annotations
 
 import torch
-import torch.distributed.rpc as rpc
 
-from ..core.futures import raise_failures, wait_all
+from ..core.futures import call_each, raise_failures
 from ..owner import live, stage
 
 __all__ = ["LocalMerge", "ReplicaReduce"]
@@ -24,15 +23,8 @@ class LocalMerge:
         pass
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
-        """Add context ``ctx_ids[i]``'s gradients into ``ctx_ids[into]`` on every owner: by RPC on the
-        others, by a call on this one (a stage on the master: an RPC to itself costs two messages a
-        micro-batch for nothing)."""
-        me = rpc.get_worker_info().name
-        args = (pipe.pid, ctx_ids[into], ctx_ids[i])
-        futs = [rpc.rpc_async(o, stage.merge_grads, args=args) for o in pipe.param_owners if o != me]
-        if me in pipe.param_owners:
-            stage.merge_grads(*args)
-        raise_failures(wait_all(futs))
+        """Add context ``ctx_ids[i]``'s gradients into ``ctx_ids[into]`` on every owner."""
+        call_each(pipe.param_owners, stage.merge_grads, (pipe.pid, ctx_ids[into], ctx_ids[i]))
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         """The loss the step's policy decides on; None: this copy leaves the decision to another."""
@@ -55,16 +47,15 @@ class ReplicaReduce:
         the backward] in rpcmp/owner/reduce.py)."""
         fn = live.begin if self.mark else stage.begin_reduce
         owners = sorted(set(pipe.owners)) if self.mark else pipe.param_owners
-        wait_all([rpc.rpc_async(o, fn, args=(pipe.pid, first_seq, count)) for o in owners])
+        call_each(owners, fn, (pipe.pid, first_seq, count))
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
         """The owners merge as each backward leaves them and start the average when the last has."""
-        raise_failures(wait_all([rpc.rpc_async(o, stage.reduce_merged, args=(pipe.pid, i, ctx_ids[:i + 1]))
-                                 for o in pipe.param_owners]))
+        raise_failures(call_each(pipe.param_owners, stage.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         loss = self.meeting.meet(self.index, loss.detach().float())  # every copy's backward is done
-        raise_failures(wait_all([rpc.rpc_async(o, stage.average_grads, args=(pipe.pid, ctx_id)) for o in pipe.param_owners]))
+        raise_failures(call_each(pipe.param_owners, stage.average_grads, (pipe.pid, ctx_id)))
         self.reached = True
         # The copies decide alike on the same mean loss; only the first says so (a warning, an error).
         if self.index and not torch.isfinite(loss).all():
@@ -74,6 +65,6 @@ class ReplicaReduce:
     def settle(self, pipe, wait: bool) -> None:
         """After a failed step of a copy: its stages take part in the step's all_reduce all the same."""
         try:
-            wait_all([rpc.rpc_async(o, stage.settle_reduce, args=(pipe.pid, wait)) for o in pipe.param_owners])
+            call_each(pipe.param_owners, stage.settle_reduce, (pipe.pid, wait))
         except Exception:  # noqa: BLE001 - an owner that is gone; the step's own error is the one to report
             pass
