@@ -30,10 +30,11 @@ copies take theirs, and its own copy's other owners may have stepped or not. Run
 step again would step those copies twice. So the master notes which copies ended their step
 (``Replicated.taken``) and which got past the average (``ReplicaReduce.reached``):
 
-- some copy took the step: the step stands; that copy is the source, the lost stages come from
-  it, and every stage of every copy that did not end its step takes the source's values too
-  (parameters, buffers, optimizer state, and on the master its scheduler and loss scale);
-  the step's loss is the copies' mean from their meeting;
+- some copy took the step: the step stands; a copy that took it, other than the lost owner's,
+  is the source, the lost stages come from it, and every stage of every copy that did not end
+  its step takes the source's values too (parameters, buffers, optimizer state, and on the
+  master its scheduler and loss scale); the step's loss is the copies' mean from their meeting.
+  When only the lost owner's own copy took it, no live copy holds that state: the error stands;
 - none did: the step runs again from a copy that never got past the average, and every copy
   that did takes that copy's values; with no such copy (every copy may have stepped, none
   ended) the error stands.
@@ -83,7 +84,8 @@ class LiveCopies:
         r = next((i for i, p in enumerate(pipes) if owners_lost and owners_lost[0] in p.owners), 0)
         source, refill, stood = self._plan(r, in_step)
         why = cannot_replace(owners_lost, self.spares) or (None if source is not None else (
-            "every copy may have changed its stages in the failed step, none took it whole"))
+            "no live copy holds the failed step's state: every copy may have changed its stages in it, and none "
+            "other than the lost owner's took it whole"))
         if why:
             if owners_lost:
                 print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)
@@ -118,8 +120,9 @@ class LiveCopies:
         if not in_step:  # every copy took the last step
             return (r + 1) % copies, [], False
         taken = sorted(self.rep.taken)
-        if taken:
-            return taken[0], [q for q in range(copies) if q not in taken], True
+        if taken:  # not from copy r itself, whose lost stage took the step with the process that held it
+            others = [q for q in taken if q != r]
+            return (others[0] if others else None), [q for q in range(copies) if q not in taken], True
         reached = [q for q, p in enumerate(self.rep.pipes) if p.sync.reached]
         sources = [q for q in ((r + j) % copies for j in range(1, copies)) if q not in reached]
         return (sources[0] if sources else None), reached, False

@@ -11,7 +11,8 @@ one lost owner, a spare and a snapshot, it
 1. rebuilds the lost process's stages on the first spare (the same ``build`` as at start) and
    routes every owner to it;
 2. rolls every stage back to the step of the snapshot the lost stage's buddy holds: the
-   rebuilt stages from the buddy's copy, the others from their own (parameters, buffers,
+   rebuilt stages from the buddy's copy (one the lost owner shipped and then died before
+   saying so counts), the others from their own (parameters, buffers,
    optimizer state and fields, generators), and makes a new DistributedOptimizer over the
    pipeline as it now is (as :mod:`rpcmp.master.move` does);
 3. hands the trainer the data position of that step, so the steps since are trained again
@@ -61,7 +62,6 @@ class Snapshots:
         self.pipe, self.every, self.spares = pipe, every, spares  # the engine's list: a drain takes from it too
         self.taking: list = []  # the owners copying their stages: waited for before the next step
         self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
-        self.taking_step: int | None = None
 
     def buddies(self, owners: list[str]) -> dict[int, str] | None:
         """Stage -> the process that keeps its snapshot: the owner of the next stage that is another
@@ -91,20 +91,21 @@ class Snapshots:
         except Exception:  # noqa: BLE001 - an owner is gone: the next step fails and recovers from the snapshot before
             self.taking = []
             return
-        self.taking_step = step
         self.kept[step] = {"position": (step, *position), "loss_scale": pipe.loss_scale,
                            "scheduler": pipe.scheduler_state() if pipe.scheduler is not None else None}
         for old in sorted(self.kept)[:-3]:
             del self.kept[old]
 
     def settle(self) -> None:
-        """Wait until the owners have copied their stages (before any optimizer step may change them)."""
+        """Wait until the owners have copied their stages (before any optimizer step may change them). A copy
+        that failed is not a snapshot lost: its owner may have shipped it and died before answering; a recovery
+        asks the buddies and the survivors what they hold (:meth:`_whole_snapshot`)."""
         taking, self.taking = self.taking, []
         for fut in taking:
             try:
                 fut.wait()
-            except Exception:  # noqa: BLE001 - a snapshot an owner could not take is no snapshot; the loss
-                self.kept.pop(self.taking_step, None)  # shows at the next step, which recovers from the one before
+            except Exception:  # noqa: BLE001 - the loss shows at the next step, which recovers from what is held
+                pass
 
     def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
                 redo: str = "") -> RolledBack:
@@ -118,7 +119,7 @@ class Snapshots:
         gone = owners_lost[0] if owners_lost else None
         stages = [k for k, o in enumerate(pipe.owners) if o == gone]
         buddies = self.buddies(pipe.owners) if self.every else None
-        step = self._whole_snapshot(buddies, stages) if buddies and len(owners_lost) == 1 and self.spares else None
+        step = self._whole_snapshot(buddies, gone, stages) if buddies and len(owners_lost) == 1 and self.spares else None
         ckpt = self._checkpoint() if step is None and len(owners_lost) == 1 and self.spares else None
         why = self._cannot(owners_lost, step, ckpt)
         if why:
@@ -138,14 +139,18 @@ class Snapshots:
                                    f"{source}; every stage rolled back to step {position[0]}; "
                                    f"{time.perf_counter() - start:.2f} s")
 
-    def _whole_snapshot(self, buddies: dict[int, str], stages: list[int]) -> int | None:
-        """The step of the snapshot the buddies of the lost ``stages`` hold, if every stage has it."""
+    def _whole_snapshot(self, buddies: dict[int, str], gone: str, stages: list[int]) -> int | None:
+        """The step of the snapshot the buddies of the lost ``stages`` hold, if every surviving owner holds its
+        own copy of that step too (each keeps its last two) and the master its part."""
+        pid = self.pipe.pid
         try:
-            held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(self.pipe.pid, k), timeout=10) for k in stages}
-        except Exception:  # noqa: BLE001 - a buddy that does not answer holds nothing we can use
+            held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(pid, k), timeout=10) for k in stages}
+            owned = wait_all([rpc.rpc_async(o, snapshot.own_steps, args=(pid,), timeout=10)
+                              for o in sorted(set(self.pipe.owners) - {gone})])
+        except Exception:  # noqa: BLE001 - a process that does not answer holds nothing we can use
             return None
         step = held.pop() if len(held) == 1 else None
-        return step if step in self.kept else None
+        return step if step in self.kept and all(step in steps for steps in owned) else None
 
     def _checkpoint(self) -> dict | None:
         """The run's last checkpoint, whole in the master's folder (a folder the nodes share), or None."""

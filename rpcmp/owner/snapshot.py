@@ -26,7 +26,7 @@ import torch.distributed.rpc as rpc
 from ..core.served import current
 from .move import export_stage, fill_stage
 
-__all__ = ["take", "reship", "keep", "held", "restore"]
+__all__ = ["take", "reship", "keep", "held", "own_steps", "restore"]
 
 
 def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
@@ -67,6 +67,13 @@ def held(pid: int, index: int) -> int | None:
     """The step of the snapshot of stage ``index`` that this buddy holds, or None."""
     got = current().buddy_snapshots.get((pid, index))
     return None if got is None else got[0]
+
+
+def own_steps(pid: int) -> list[int]:
+    """The steps of which every stage of pipeline ``pid`` here holds its own snapshot."""
+    served = current()
+    owns = [set(served.snapshots.get((pid, h.spec.index), ())) for h in served.hosts_of(pid)]
+    return sorted(set.intersection(*owns)) if owns else []
 
 
 def restore(pid: int, index: int, step: int, buddy: str | None) -> None:

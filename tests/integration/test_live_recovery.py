@@ -163,6 +163,7 @@ def _assert_as_uninterrupted(folder, clean) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("replicated")  # one uninterrupted run for both
 def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_lost(tmp_path, replicated_clean):
     """Two copies of two stages (dropout in stage 0) and a spare: any owner killed at a random step."""
     at, victim = random.randint(3, 15), f"worker{random.randint(1, 4)}"
@@ -175,6 +176,7 @@ def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("replicated")
 def test_an_owner_lost_in_its_optimizer_step_while_the_other_copy_steps_loses_no_step(tmp_path, replicated_clean):
     """The owner dies inside its optimizer step: the copies have met and averaged, the other copy takes the
     step (and its own copy's other owner may have taken it too): the step stands, taken from the other copy."""

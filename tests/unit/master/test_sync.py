@@ -56,6 +56,8 @@ def _plan(r, copies, taken=(), reached=(), in_step=True):
 def test_a_step_a_copy_took_stands_and_the_copies_that_did_not_take_it_are_refilled():
     assert _plan(0, 2, taken=[1], reached=[0, 1]) == (1, [0], True)
     assert _plan(1, 3, taken=[2, 0], reached=[0, 1, 2]) == (0, [1], True)
+    assert _plan(0, 3, taken=[0, 2], reached=[0, 1, 2]) == (2, [1], True)  # the lost owner's copy took it too
+    assert _plan(0, 2, taken=[0], reached=[0, 1]) == (None, [1], True)  # only the lost owner's copy: no source
 
 
 def test_a_step_nobody_took_runs_again_from_a_copy_that_never_got_past_the_average():

@@ -11,6 +11,7 @@ import rpcmp
 from helpers import batches
 from rpcmp.core.served import current, serve
 from rpcmp.errors import StageError
+from rpcmp.master.recovery import Snapshots
 from rpcmp.owner import move, snapshot
 
 
@@ -41,6 +42,7 @@ def test_a_snapshot_is_a_copy_that_later_steps_leave_alone_and_only_the_last_two
     _step(pipe)
     served = current()
     assert sorted(served.snapshots[(pipe.pid, 0)]) == [2, 3] and snapshot.held(pipe.pid, 1) == 3
+    assert snapshot.own_steps(pipe.pid) == [2, 3] and snapshot.own_steps(pipe.pid + 1000) == []
     for index in (0, 1):
         kept = served.snapshots[(pipe.pid, index)][3]
         prefix = kept["prefix"]
@@ -79,3 +81,13 @@ def test_a_stage_of_other_tensors_or_shapes_is_refused_by_name(pipe):
     before = {k: v.clone() for k, v in host.module.state_dict().items()}
     move.fill_stage(host, got, "moving")  # its own values: nothing changes
     assert all(torch.equal(v, before[k]) for k, v in host.module.state_dict().items())
+
+
+def test_a_snapshot_whose_owner_failed_to_answer_is_still_a_candidate_for_recovery():
+    """The owner may have shipped its copy and died before answering: what is held decides, not the answer."""
+    snaps = Snapshots.__new__(Snapshots)
+    failed = torch.futures.Future()
+    failed.set_exception(RuntimeError("EOF"))
+    snaps.taking, snaps.kept = [failed], {0: {"position": (0, 0, 0)}, 5: {"position": (5, 0, 5)}}
+    snaps.settle()
+    assert sorted(snaps.kept) == [0, 5] and snaps.taking == []
