@@ -73,6 +73,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig,steps", [(signal.SIGKILL, (3, 9)), (signal.SIGKILL, (11, 15)), (signal.SIGSTOP, (3, 15))],
                          ids=["killed-before-the-first-snapshot", "killed-after-it", "stopped"])
+@pytest.mark.xdist_group("live_recovery")  # its module fixture runs once for all
 def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterrupted_run(tmp_path, uninterrupted, sig,
                                                                                          steps):
     at = random.randint(*steps)  # snapshots every 10 steps (the default) and at the start
@@ -89,6 +90,7 @@ def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterru
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xdist_group("live_recovery")  # its module fixture runs once for all
 def test_without_snapshots_the_lost_stage_comes_from_the_last_checkpoint(tmp_path, uninterrupted):
     # Half the time as the checkpoint of that step is written (every 5): its part on worker2 never is.
     at = random.choice((random.randint(6, 9), 10, random.randint(11, 14), 15))
