@@ -33,7 +33,7 @@ def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
     """Snapshot every stage of pipeline ``pid`` here after step ``step`` and ship each to its buddy.
     ``optims``: this process's local optimizer (by process name, as the master knows them)."""
     served = current()
-    me = rpc.get_worker_info().name
+    me = served.me
     previous = served.shipping.pop(pid, None)
     if previous is not None:
         previous.wait()  # one shipment at a time: see [Note: snapshots and their buddies]

@@ -175,7 +175,7 @@ class StageHost:
 
 
 def _whoami() -> str:
-    return rpc.get_worker_info().name
+    return current().me  # named in every merge's error message: looked up once per run
 
 
 def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float, options: dict):
