@@ -20,11 +20,12 @@ demo: install
 	$(VENV)/bin/rpcmp run examples/unet_split/job.py --local 3 --checkpoint-dir runs/unet
 	$(VENV)/bin/rpcmp predict examples/unet_split/job.py -c runs/unet --out runs/unet/predictions
 
-# Two pytest workers: most tests wait on processes they started (start-up, RPC, a hang timeout, a
-# restart), so two at a time finish sooner even on two cores; the network-namespace tests share one
-# worker (they are root's, one cluster at a time).
+# Three pytest workers: most tests wait on processes they started (start-up, RPC, a hang timeout, a
+# restart), so three at a time finish sooner even on two cores. `--dist loadfile` runs each test file
+# on one worker, start to end: a module fixture (one run that several tests check) is computed once,
+# and the network-namespace tests (one file) build one cluster at a time.
 test: install
-	$(PY) -m pytest -n 2 --dist loadgroup
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 # The in-process tests alone (no launched processes; tests/unit mirrors rpcmp/ package by package),
 # without the ones that trace a real model (marked `model`, run by `make test`): under a minute.

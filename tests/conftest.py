@@ -35,3 +35,11 @@ def _seed_and_env():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+def pytest_collection_modifyitems(items):
+    """The network-namespace file first: its tests build one cluster at a time on one worker (about six
+    minutes), and started late it would be the run's tail. `make test` runs `--dist loadfile
+    --no-loadscope-reorder`, so the workers take whole files in this order: the files that launch
+    processes (tests/integration), then the in-process ones, which fill the gaps at the end."""
+    items.sort(key=lambda item: "test_network.py" not in item.nodeid)

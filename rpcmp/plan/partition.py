@@ -273,13 +273,28 @@ def _on_meta(sample: Any) -> Any:
     return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
 
 
+_PLANS: OrderedDict = OrderedDict()  # the last few traced plans of this process (see _plan_traced)
+
+
 def _plan_traced(job, sample: Any) -> list[StageSpec]:
-    """Trace the model once on the master: how many stages the cuts give, and what the owners trace with."""
+    """Trace the model once on the master: how many stages the cuts give, and what the owners trace with.
+    A second Pipeline of the same model factory, seed, split and batch shape in this process (a sweep over
+    other settings, a notebook) reuses the plan, as an owner reuses its trace (:func:`_traces`): tracing is
+    seconds, most of a build."""
     from ..core.microbatch import scatter
     if sample is None:
         raise PartitionError("SplitAt traces the model on one batch, but the job has no data: give Job(data=...) "
                              "or Pipeline(..., sample=batch)")
     example = _on_meta(scatter(sample, job.microbatches)[0])
+    key = (id(job.model), job.seed, repr(job.stages), repr(example))  # what the trace reads of the job
+    if key not in _PLANS or _PLANS[key][0] is not job.model:
+        _PLANS[key] = (job.model, _trace_plan(job, example))
+        while len(_PLANS) > 8:
+            _PLANS.popitem(last=False)
+    return list(_PLANS[key][1])
+
+
+def _trace_plan(job, example: Any) -> list[StageSpec]:
     model = meta_model(job)  # see [Note: each owner materializes only its part]
     pipe = trace_split(model, job.stages, example)
     held = [set(tensor_table(pipe.get_stage_module(i))) for i in range(pipe.num_stages)]

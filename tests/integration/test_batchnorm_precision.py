@@ -66,7 +66,6 @@ def _reference(data):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("sched", ["overlap", "gpipe"])
-@pytest.mark.xdist_group("batchnorm_precision")  # its module fixture runs once for all
 def test_whole_batch_batchnorm_does_not_depend_on_m_and_equals_the_unsplit_model(runs, m, sched):
     ref_losses, ref_state, ref_out = _reference(batches(STEPS, size=8, seed=3))
     losses, state, out, chunks = runs[("batch", m, sched)]
@@ -78,7 +77,6 @@ def test_whole_batch_batchnorm_does_not_depend_on_m_and_equals_the_unsplit_model
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sched", ["overlap", "gpipe"])
-@pytest.mark.xdist_group("batchnorm_precision")  # its module fixture runs once for all
 def test_micro_batchnorm_pipelines_with_per_micro_batch_statistics(runs, sched):
     data = batches(STEPS, size=8, seed=3)
     ref_losses, ref_state, _ = _reference(data)
@@ -93,7 +91,6 @@ def test_micro_batchnorm_pipelines_with_per_micro_batch_statistics(runs, sched):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sched", ["overlap", "gpipe"])
-@pytest.mark.xdist_group("batchnorm_precision")  # its module fixture runs once for all
 def test_recompute_gives_the_same_training_and_batchnorm_statistics(runs, sched):
     loss, state = runs[("one step", sched, True)]
     ref_loss, ref_state = runs[("one step", sched, False)]
@@ -125,7 +122,6 @@ def test_recompute_draws_the_same_dropout_masks():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("batchnorm_precision")  # its module fixture runs once for all
 def test_bf16_autocast_equals_autocast_on_the_unsplit_model(runs):
     losses, states, _, _ = runs["bf16"]
     job = load("bn")
@@ -148,7 +144,6 @@ def test_bf16_autocast_equals_autocast_on_the_unsplit_model(runs):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("batchnorm_precision")  # its module fixture runs once for all
 def test_fp16_overflow_skips_the_step_on_every_stage_and_lowers_the_scale(runs):
     losses, states, scales, overflows = runs["fp16"]
     assert overflows >= 1

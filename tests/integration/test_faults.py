@@ -68,7 +68,9 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
     assert waited < bound, f"took {waited:.1f}s"
     assert "WorkerLostError" in err and named in err and "at step" in err, err
     assert "--resume" in err
-    time.sleep(1.0)
+    gone_by = time.monotonic() + 15  # a worker's exit under load (imports torn down, sockets closed) takes seconds
+    while [p for p in everyone if _alive(p)] and time.monotonic() < gone_by:
+        time.sleep(0.2)
     assert not [p for p in everyone if _alive(p)], "processes were left behind"
     assert load_checkpoint(ckpt_dir)["step"] % 40 == 0
 

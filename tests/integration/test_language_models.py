@@ -84,7 +84,6 @@ def _reference(job, optimizer, data):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xdist_group("language_models")  # its module fixture runs once for all
 def test_language_models_train_as_the_unsplit_model(model_runs):
     name, runs = model_runs
     job = load(name)
@@ -103,7 +102,6 @@ def test_language_models_train_as_the_unsplit_model(model_runs):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xdist_group("language_models")  # its module fixture runs once for all
 def test_sequence_length_changes_from_step_to_step(model_runs):
     name, runs = model_runs
     job = load(name)

@@ -73,7 +73,6 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sig,steps", [(signal.SIGKILL, (3, 9)), (signal.SIGKILL, (11, 15)), (signal.SIGSTOP, (3, 15))],
                          ids=["killed-before-the-first-snapshot", "killed-after-it", "stopped"])
-@pytest.mark.xdist_group("live_recovery")  # its module fixture runs once for all
 def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterrupted_run(tmp_path, uninterrupted, sig,
                                                                                          steps):
     at = random.randint(*steps)  # snapshots every 10 steps (the default) and at the start
@@ -90,7 +89,6 @@ def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterru
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("live_recovery")  # its module fixture runs once for all
 def test_without_snapshots_the_lost_stage_comes_from_the_last_checkpoint(tmp_path, uninterrupted):
     # Half the time as the checkpoint of that step is written (every 5): its part on worker2 never is.
     at = random.choice((random.randint(6, 9), 10, random.randint(11, 14), 15))
@@ -165,7 +163,6 @@ def _assert_as_uninterrupted(folder, clean) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("replicated")  # one uninterrupted run for both
 def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_lost(tmp_path, replicated_clean):
     """Two copies of two stages (dropout in stage 0) and a spare: any owner killed at a random step."""
     at, victim = random.randint(3, 15), f"worker{random.randint(1, 4)}"
@@ -178,7 +175,6 @@ def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("replicated")
 def test_an_owner_lost_in_its_optimizer_step_while_the_other_copy_steps_loses_no_step(tmp_path, replicated_clean):
     """The owner dies inside its optimizer step: the copies have met and averaged, the other copy takes the
     step (and its own copy's other owner may have taken it too): the step stands, taken from the other copy."""

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import job_path
 
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("netns")]  # one cluster at a time
+pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "launch", "netns-cluster.sh")
 

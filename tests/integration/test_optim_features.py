@@ -87,7 +87,6 @@ def runs():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sched", ["overlap", "gpipe"])
-@pytest.mark.xdist_group("optim_features")  # its module fixture runs once for all
 def test_clipping_equals_clip_grad_norm_on_the_unsplit_model(runs, sched):
     state, _, _, norms = runs[("clip", sched)]
     ref_state, ref_norms, _ = _reference(clip=0.05)
@@ -98,7 +97,6 @@ def test_clipping_equals_clip_grad_norm_on_the_unsplit_model(runs, sched):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sched", ["overlap", "gpipe"])
-@pytest.mark.xdist_group("optim_features")  # its module fixture runs once for all
 def test_scheduler_changes_every_stage_learning_rate(runs, sched):
     state, _, lrs, _ = runs[("sched", sched)]
     assert [set(step) for step in lrs] == [{0.05}, {0.025}, {0.0125}, {0.00625}]
@@ -108,7 +106,6 @@ def test_scheduler_changes_every_stage_learning_rate(runs, sched):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(SCHEDULED))
-@pytest.mark.xdist_group("optim_features")  # its module fixture runs once for all
 def test_every_field_a_scheduler_sets_reaches_every_stage_before_the_step_that_uses_it(runs, name):
     optimizer, scheduler = SCHEDULED[name]
     state, fields = runs[name]
@@ -125,6 +122,5 @@ def test_every_field_a_scheduler_sets_reaches_every_stage_before_the_step_that_u
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xdist_group("optim_features")  # its module fixture runs once for all
 def test_accumulation_equals_one_batch_k_times_larger(runs):
     assert_close_f32(runs["accumulate"], _reference(accumulate=2)[0])

@@ -43,7 +43,6 @@ def split_runs():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("stages", sorted(SPLITS))
 @pytest.mark.parametrize("m,opt,sched", CASES)
-@pytest.mark.xdist_group("transparency")  # its module fixture runs once for all
 def test_split_training_matches_one_process(split_runs, stages, m, opt, sched):
     job = load("mlp")
     torch.manual_seed(job.seed)

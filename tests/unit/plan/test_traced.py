@@ -8,7 +8,7 @@ import rpcmp
 from helpers import load
 from rpcmp.errors import PartitionError
 from rpcmp.plan.partition import build_stage, plan_stages
-from rpcmp.plan.traced import run_stages
+from rpcmp.plan.traced import run_stages, trace_split
 
 
 Classifier = load("traced_classifier").model  # forward is fc2(F.relu(fc1(x)))
@@ -161,3 +161,21 @@ def test_a_traced_stage_in_eval_mode_runs_the_eval_graph(family):
         for stage in stages:
             stage.train()
         torch.testing.assert_close(run_stages(stages, x), model.train()(x))  # and back to the training graph
+
+
+def test_a_second_plan_of_the_same_job_and_batch_shape_reuses_the_trace(monkeypatch):
+    import dataclasses
+    import rpcmp.plan.partition as partition
+    traced = []
+    monkeypatch.setattr(partition, "trace_split", lambda *a, **k: traced.append(1) or trace_split(*a, **k))
+    job = rpcmp.Job(model=lambda: Classifier(), stages=rpcmp.SplitAt("fc2"))  # a factory no other test planned
+    x = torch.randn(4, 16)
+    first, once = plan_stages(job, x), len(traced)
+    assert once and plan_stages(job, x) == first and len(traced) == once  # a second Pipeline: not traced again
+    assert plan_stages(dataclasses.replace(job, wire="bf16"), x) == first and len(traced) == once  # what it traces
+    for other, sample in ((job, torch.randn(8, 16)), (dataclasses.replace(job, seed=1), x)):  # another shape, seed
+        before = len(traced)
+        assert len(plan_stages(other, sample)) == 2 and len(traced) > before
+    before = len(traced)
+    job.model = lambda: Classifier()  # the job changed in place: traced again
+    assert len(plan_stages(job, x)) == 2 and len(traced) > before
