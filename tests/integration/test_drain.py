@@ -3,7 +3,8 @@ daemon finishes the job (exit 0) and waits for the next, and the model is an und
 request without the token is ignored; a drain with no spare left is refused, the job going on.
 `rpcmp rebalance` on the same job measures once and says what it decided. The job then ends by
 SIGTERM between two steps (its checkpoint written), however far it got, so that no request can
-come too late on a busy machine; the undisturbed run trains as many steps."""
+come too late on a busy machine; the undisturbed run trains as many steps. The drained run is paced
+(tests/jobs/paced.py): about ten steps a second, not the hundreds it would train meanwhile."""
 import os
 import re
 import signal
@@ -42,10 +43,10 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
     daemons = [subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", str(r), "--token-file",
                                  str(token)], stdout=logs[r - 1], stderr=subprocess.STDOUT, start_new_session=True)
                for r in (1, 2, 3)]
-    master = subprocess.Popen([RPCMP, "run", job_path("mlp"), "--workers", "3", "--listen", f"127.0.0.1:{port}",
+    master = subprocess.Popen([RPCMP, "run", job_path("paced"), "--workers", "3", "--listen", f"127.0.0.1:{port}",
                                "--token-file", str(token), *STEPS, "--checkpoint-dir", str(tmp_path / "drained"),
                                "--metrics", str(tmp_path / "m.jsonl")], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200"})
+                              stderr=subprocess.STDOUT, text=True, env={**os.environ, "COLUMNS": "200", "PACED_STEP_S": "0.1"})
     try:
         deadline = time.monotonic() + 120
         while metric_steps(tmp_path / "m.jsonl") < 20:
@@ -77,7 +78,7 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
     assert master.returncode == 128 + signal.SIGTERM, out
     stopped = re.search(r"stopped by SIGTERM after step (\d+): checkpoint in", out)
     assert "drained worker1" in out and stopped, out
-    clean = subprocess.run([RPCMP, "run", job_path("mlp"), "--local", "4", *STEPS, "--max-steps", stopped.group(1),
+    clean = subprocess.run([RPCMP, "run", job_path("paced"), "--local", "4", *STEPS, "--max-steps", stopped.group(1),
                             "--checkpoint-dir", str(tmp_path / "clean")], capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     text = open(tmp_path / "worker1.log").read()
