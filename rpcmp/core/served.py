@@ -101,7 +101,6 @@ class Served:
         self.nodes: list[str] | None = None  # Job(replicas=R): every rank's node, for the grid
         self.topology = None  # the run's rpcmp.plan.topology.Topology, computed once at start
         self.store_address: tuple[str, int] | None = None  # the launch's store (rpcmp.core.store), from the launcher
-        self.traces: dict = {}  # a traced model's split, per job and example (rpcmp.plan.partition._traces)
         # Under torchrun: this attempt's number, the run an earlier attempt trained (None: none did) and how
         # to tell a later attempt which run this one trains (see [Note: a restart resumes by itself]).
         self.attempt = 0

@@ -30,7 +30,6 @@ from .chain import check_chain
 from .materialize import (attach_tensor, attribute, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, place_unused, read_constant, set_constant, set_tensor, shared_params,
                           tensor_names, tensor_table)
-from ..core.served import current
 from .graphs import forget_trace, graphs, place_graph
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      stage_module, trace_split)
@@ -256,54 +255,49 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
     return stage
 
 
+_TRACES: OrderedDict = OrderedDict()  # the last few traces of this process (see _traces)
+
+
 def _traces(job, example: tuple) -> list:
-    """The model traced on the meta device, in train and eval mode, as the master traced it: once per
-    process and run for a job and example (an owner builds a stage again for every Pipeline of a run:
-    the trace is most of a build's time), kept in the process's served object."""
-    cache = current().traces
-    key = (id(job), repr(job.stages), repr(example))
-    if key not in cache or cache[key][0] is not job:
+    """``job.model()`` traced on the meta device in train and eval mode, cut at ``job.stages``, on one
+    micro-batch like ``example`` (:func:`example_of`): once per process for a model factory, seed, split and
+    micro-batch shape, the last 8 kept. The master's plan and the stage it holds share one trace, an owner's
+    builds for every Pipeline of a run share one, and so does a second plan of the same job in one process
+    (a sweep over other settings, a notebook): tracing is seconds, most of a build. A job whose factory was
+    replaced in place is traced again."""
+    key = (id(job.model), job.seed, repr(job.stages), repr(example))
+    if key not in _TRACES or _TRACES[key][0] is not job.model:
         sample = from_example(example, "meta")
-        cache[key] = (job, [trace_split(meta_model(job), job.stages, sample),
-                            trace_split(meta_model(job).eval(), job.stages, sample)])
-    return cache[key][1]
+        _TRACES[key] = (job.model, [trace_split(meta_model(job), job.stages, sample),
+                                    trace_split(meta_model(job).eval(), job.stages, sample)])
+        while len(_TRACES) > 8:
+            _TRACES.popitem(last=False)
+    return _TRACES[key][1]
 
 
 def _on_meta(sample: Any) -> Any:
     return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
 
 
-_PLANS: OrderedDict = OrderedDict()  # the last few traced plans of this process (see _plan_traced)
-
-
 def _plan_traced(job, sample: Any) -> list[StageSpec]:
-    """Trace the model once on the master: how many stages the cuts give, and what the owners trace with.
-    A second Pipeline of the same model factory, seed, split and batch shape in this process (a sweep over
-    other settings, a notebook) reuses the plan, as an owner reuses its trace (:func:`_traces`): tracing is
-    seconds, most of a build."""
+    """Trace the model on the master (:func:`_traces`): how many stages the cuts give, and what the owners
+    trace with."""
     from ..core.microbatch import scatter
     if sample is None:
         raise PartitionError("SplitAt traces the model on one batch, but the job has no data: give Job(data=...) "
                              "or Pipeline(..., sample=batch)")
-    example = _on_meta(scatter(sample, job.microbatches)[0])
-    key = (id(job.model), job.seed, repr(job.stages), repr(example))  # what the trace reads of the job
-    if key not in _PLANS or _PLANS[key][0] is not job.model:
-        _PLANS[key] = (job.model, _trace_plan(job, example))
-        while len(_PLANS) > 8:
-            _PLANS.popitem(last=False)
-    return list(_PLANS[key][1])
+    return _trace_plan(job, _on_meta(scatter(sample, job.microbatches)[0]))
 
 
 def _trace_plan(job, example: Any) -> list[StageSpec]:
     model = meta_model(job)  # see [Note: each owner materializes only its part]
-    pipe = trace_split(model, job.stages, example)
+    pipe, evaluated = _traces(job, example_of(example))
     held = [set(tensor_table(pipe.get_stage_module(i))) for i in range(pipe.num_stages)]
     _refuse_strange(model, pipe, held)  # the promise of SplitAt: the unsplit model's names
     unused = place_unused(model, held)
     tied = shared_params(model, [h | set(u) for h, u in zip(held, unused)])
     check_any_batch_size(pipe, example)
-    evaluated = trace_split(meta_model(job).eval(), job.stages, example)  # see [Note: a traced stage in eval mode]
-    check_same_cut(pipe, evaluated)
+    check_same_cut(pipe, evaluated)  # see [Note: a traced stage in eval mode]
     check_any_batch_size(evaluated, example)
     sizes = input_sizes(pipe, example)
     if job.stages.lengths == "any":

@@ -57,8 +57,7 @@ def _namespaces_of(script_pid: int) -> list[str]:
 @needs_netns
 @pytest.mark.timeout(420)
 def test_split_unet_on_three_namespaced_nodes_with_torchrun(tmp_path):
-    unet = os.path.join(ROOT, "examples", "unet_split", "job.py")
-    proc, logs = _cluster(tmp_path, unet, "--max-steps", "6")
+    proc, logs = _cluster(tmp_path, job_path("unet"), "--epochs", "10", "--max-steps", "4")
     out = proc.stdout
     assert proc.returncode == 0, out + proc.stderr + logs
     assert all(f"node{i}: exit 0" in out for i in range(3)), out
@@ -174,7 +173,7 @@ def _fit_steps(job, world_size):
 def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_uninterrupted_run(tmp_path):
     from helpers import assert_close_f32, run_ranks
     from rpcmp.core.checkpoint import complete_stems, latest_checkpoint, load_checkpoint
-    steps, every = 600, 100
+    steps, every = 200, 50
     clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
     logs.mkdir()
     common = {"max_steps": steps, "epochs": 100, "checkpoint_every": every}
@@ -279,7 +278,7 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_run_ends_equal_to_an_un
     from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
     clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
     logs.mkdir()
-    args = ["--max-steps", "200", "--spares", "1", "--threads", "1"]
+    args = ["--max-steps", "80", "--spares", "1", "--threads", "1"]
     rpcmp_bin = os.path.join(os.path.dirname(sys.executable), "rpcmp")
     done = subprocess.run([rpcmp_bin, "run", job_path("three"), "--local", "5", *args, "--checkpoint-dir", str(clean)],
                           capture_output=True, text=True, timeout=240)
@@ -300,7 +299,7 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_run_ends_equal_to_an_un
         for pid in victims:  # the node is gone: its agent and its rank
             os.kill(int(pid), signal.SIGKILL)
         while _ranks_alive(proc.pid, 5) or latest_checkpoint(str(faulty)) is None or \
-                load_checkpoint(str(faulty))["step"] != 200:
+                load_checkpoint(str(faulty))["step"] != 80:
             assert proc.poll() is None and time.monotonic() < deadline + 120, proc.stdout.read() if proc.poll() else ""
             time.sleep(0.2)
     finally:
@@ -313,5 +312,5 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_run_ends_equal_to_an_un
     assert not _namespaces_of(proc.pid), _namespaces_of(proc.pid)
     node_logs = "".join(open(logs / f).read() for f in sorted(os.listdir(logs)))
     assert node_logs.count("recovered: worker2 was lost") == 1, f"killed at step {at}\n" + node_logs
-    assert "steps 200" in node_logs and "Traceback" not in node_logs, node_logs
+    assert "steps 80" in node_logs and "Traceback" not in node_logs, node_logs
     assert_close_f32(load_checkpoint(str(faulty))["model"], load_checkpoint(str(clean))["model"])

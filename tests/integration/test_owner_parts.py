@@ -1,5 +1,7 @@
 """No process holds the whole model: owners build, load and save their parts only."""
+import functools
 import os
+import re
 
 import pytest
 import torch
@@ -19,7 +21,10 @@ LIVE = ("__import__('gc').collect() * 0 + sum(p.numel() for p in __import__('gc'
         "if isinstance(p, __import__('torch').nn.Parameter) and p.device.type != 'meta')")
 
 
-def _live_parameters(job, world_size):
+def _live_then_train(job, world_size, folder):
+    """A Pipeline's live parameters on each process, then a 2-step run writing a checkpoint to ``folder``, in
+    the same processes (their traces are reused: one traced-Unet world for the tests below)."""
+    import dataclasses
     import rpcmp
     pipe = rpcmp.Pipeline(job, world_size)
     owners = [p.process for p in pipe.places]
@@ -27,14 +32,21 @@ def _live_parameters(job, world_size):
     stages = [sum(r.to_here().numel() for r in s.remote_parameters()) for s in pipe.stages]  # after: copies
     state = pipe.state_dict()
     pipe.close()
-    return live, owners, stages, state
+    steps = fit(dataclasses.replace(job, checkpoint_dir=folder, max_steps=2), world_size)["steps"]
+    return live, owners, stages, state, steps
+
+
+@pytest.fixture(scope="module")
+def unet_run(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("owner_parts") / "ckpt")
+    return folder, run_ranks("traced_unet", 4, functools.partial(_live_then_train, folder=folder), timeout=300)
 
 
 @pytest.mark.timeout(300)
-def test_each_owner_holds_only_its_stage_and_the_master_nothing():
+def test_each_owner_holds_only_its_stage_and_the_master_nothing(unet_run):
     """The Unet cut inside its encoder: each owner's live parameters are exactly its stage's, the
     master (which planned and traced the model) holds none, and the values are the unsplit model's."""
-    live, owners, stages, state = run_ranks("traced_unet", 4, _live_parameters)
+    live, owners, stages, state, _ = unet_run[1]
     assert live["master"] == 0
     assert [live[o] for o in owners] == stages and all(stages)
     job = load("traced_unet")
@@ -42,14 +54,10 @@ def test_each_owner_holds_only_its_stage_and_the_master_nothing():
     assert_close_f32(state, job.model().state_dict(), rtol=0, atol=0)
 
 
-def _train(job, world_size):
-    return fit(job, world_size)["steps"]
-
-
 @pytest.mark.timeout(300)
-def test_a_checkpoint_is_an_index_and_parts_read_as_one_and_exported_as_a_plain_file(tmp_path):
-    folder = str(tmp_path / "ckpt")
-    assert run_ranks("traced_unet", 4, _train, {"checkpoint_dir": folder, "max_steps": 2}) == 2
+def test_a_checkpoint_is_an_index_and_parts_read_as_one_and_exported_as_a_plain_file(unet_run, tmp_path):
+    folder, (*_, steps) = unet_run
+    assert steps == 2
     ckpt = load_checkpoint(folder)
     index = torch.load(ckpt["path"], weights_only=True)
     assert "model" not in index and "state" not in index["optimizer"]  # the master wrote no tensor
@@ -68,12 +76,19 @@ def test_a_checkpoint_is_an_index_and_parts_read_as_one_and_exported_as_a_plain_
         load_checkpoint(folder)
 
 
-def _initial(job, world_size):
+def _initial(job, world_size, good, short):
+    """The state a Pipeline starts from with ``Job(init_from=good)``, and the error ``short`` (a key missing)
+    raises, in one world."""
+    import dataclasses
     import rpcmp
-    pipe = rpcmp.Pipeline(job, world_size)
+    pipe = rpcmp.Pipeline(dataclasses.replace(job, init_from=good), world_size)
     state = pipe.state_dict()
     pipe.close()
-    return state
+    try:
+        rpcmp.Pipeline(dataclasses.replace(job, init_from=short), world_size).close()
+    except Exception as exc:  # noqa: BLE001 - what the user would see is what the test reads
+        return state, f"{type(exc).__name__}: {exc}"
+    return state, None
 
 
 @pytest.mark.timeout(300)
@@ -81,12 +96,9 @@ def test_init_from_gives_each_owner_its_keys_of_a_plain_state_dict(tmp_path):
     job = load("traced_resnet")
     torch.manual_seed(123)  # another seed than the job's: other values than its own initialization
     values = job.model().state_dict()
-    path = str(tmp_path / "init.pt")
-    torch.save(values, path)
-    state = run_ranks("traced_resnet", 4, _initial, {"init_from": path})
+    good, short = str(tmp_path / "init.pt"), str(tmp_path / "short.pt")
+    torch.save(values, good)
+    torch.save({k: v for k, v in values.items() if k != "fc.weight"}, short)
+    state, error = run_ranks("traced_resnet", 4, functools.partial(_initial, good=good, short=short))
     assert_close_f32(state, values, rtol=0, atol=0)
-
-    del values["fc.weight"]
-    torch.save(values, path)
-    with pytest.raises(RuntimeError, match=r"CheckpointError: Job\(init_from=...\): .* 1 missing keys \['fc.weight'\]"):
-        run_ranks("traced_resnet", 4, _initial, {"init_from": path})
+    assert error and re.search(r"CheckpointError: Job\(init_from=...\): .* 1 missing keys \['fc.weight'\]", error), error

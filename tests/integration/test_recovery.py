@@ -15,13 +15,13 @@ from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
 BIN = os.path.dirname(sys.executable)
-STEPS = 600
+STEPS = 200
 
 
 def _torchrun(ckpt_dir, *extra):
     return [os.path.join(BIN, "torchrun"), "--standalone", "--nproc-per-node=3", *extra, "-m", "rpcmp.master",
             job_path("mlp"), "--max-steps", str(STEPS), "--epochs", "100", "--checkpoint-dir", ckpt_dir,
-            "--checkpoint-every", "100"]
+            "--checkpoint-every", "50"]
 
 
 def _fit(job, world_size):
@@ -44,7 +44,7 @@ def _rank_pid(parent, rank):
 def test_worker_killed_once_under_torchrun_max_restarts(tmp_path):
     clean, faulty = str(tmp_path / "clean"), str(tmp_path / "faulty")
     # the run that never failed: the same three ranks, started by rpcmp (its launcher is not what is tested here)
-    run_ranks("mlp", 3, _fit, {"max_steps": STEPS, "epochs": 100, "checkpoint_dir": clean, "checkpoint_every": 100},
+    run_ranks("mlp", 3, _fit, {"max_steps": STEPS, "epochs": 100, "checkpoint_dir": clean, "checkpoint_every": 50},
               timeout=180)
     os.makedirs(faulty)
     leftovers = ["step-00000900.0123456789ab.stage-1.pt", "step-00000900.0123456789ab.pt.tmp"]
