@@ -133,13 +133,18 @@ def rebalance(master, token_file, timeout):
 @click.option("--rank", type=int, required=True, help="This daemon's rank (1..N).")
 @click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="The shared job token (or env RPCMP_TOKEN).")
 @click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE).")
-def worker(master, rank, token_file, iface):
+@click.option("--preload", metavar="MODULES", default=None,
+              help="Comma-separated model libraries the daemon imports once, before the first job (default: every one "
+                   "of segmentation_models_pytorch, transformers, torchvision and timm that is installed; '' for none: "
+                   "a job then imports its own, a few seconds at its start).")
+def worker(master, rank, token_file, iface, preload):
     """Run a worker daemon: serve jobs from MASTER one after another, until SIGTERM."""
     from ..launch.network import select_interface
     from ..launch.daemon import read_token, serve_forever
     try:
         select_interface(iface)
-        serve_forever(master, rank, read_token(None, token_file))
+        libraries = None if preload is None else [m.strip() for m in preload.split(",") if m.strip()]
+        serve_forever(master, rank, read_token(None, token_file), libraries=libraries)
     except RpcmpError as exc:
         report(exc)
         sys.exit(2)

@@ -182,11 +182,12 @@ def _read(store, key: str) -> str | None:
 
 
 # -- daemon side -------------------------------------------------------------------------
-def serve_forever(master: str, rank: int, token: str, poll: float = 1.0) -> None:
-    """Wait for jobs from ``master`` (HOST:PORT) and serve them as ``rank``, until SIGTERM."""
+def serve_forever(master: str, rank: int, token: str, poll: float = 1.0, libraries: list[str] | None = None) -> None:
+    """Wait for jobs from ``master`` (HOST:PORT) and serve them as ``rank``, until SIGTERM. The fork server the
+    jobs start from imports torch, rpcmp and ``libraries`` once (None: every model library installed)."""
     host, _, port = master.rpartition(":")
     port = int(port)
-    start_server(every_library=True)  # imports done once, before the first job arrives
+    start_server(every_library=libraries is None, libraries=libraries or ())  # imports done once, before the first job
     stop = threading.Event()
     child: list = [None]
 

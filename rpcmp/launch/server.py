@@ -8,7 +8,7 @@ import importlib
 import multiprocessing as mp
 import os
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from ..errors import LaunchError
 
@@ -74,15 +74,14 @@ def process_context(job_path: str | None = None, fork_here: bool = False) -> Any
     return ctx
 
 
-def start_server(job_path: str | None = None, every_library: bool = False) -> None:
+def start_server(job_path: str | None = None, every_library: bool = False, libraries: Sequence[str] = ()) -> None:
     """Start the fork server now, so that it imports while this process does its own imports (call it
-    before importing torch: a worker daemon at start, which preloads ``every_library`` it may need).
-    Later launches find it running."""
+    before importing torch: a worker daemon at start, which preloads ``every_library`` it may need, or the
+    ``libraries`` it was told). Later launches find it running."""
     from multiprocessing import forkserver
     if os.environ.get("RPCMP_START_METHOD", "forkserver") != "forkserver":
         return
-    if every_library:
-        preload(*_HEAVY)
+    preload(*(_HEAVY if every_library else ()), *libraries)
     process_context(job_path)
     forkserver.ensure_running()
 

@@ -48,9 +48,8 @@ def test_daemons_serve_jobs_survive_a_dead_master_and_refuse_strangers(tmp_path)
                                  "--token-file", str(token)], stdout=logs[r - 1], stderr=subprocess.STDOUT,
                                 start_new_session=True) for r in (1, 2)]
     try:
-        for _ in range(2):  # two jobs, one after the other
-            out, _ = _master(port, token, "--max-steps", "20").communicate(timeout=120)
-            assert "steps 20" in out, out
+        out, _ = _master(port, token, "--max-steps", "20").communicate(timeout=120)
+        assert "steps 20" in out, out
         served = open(tmp_path / "worker1.log").read().count("serving rank 1")
         doomed = _master(port, token, "--epochs", "200")
         deadline = time.monotonic() + 60
@@ -75,14 +74,15 @@ def test_daemons_serve_jobs_survive_a_dead_master_and_refuse_strangers(tmp_path)
             if d.poll() is None:
                 os.killpg(d.pid, signal.SIGKILL)
     text = open(tmp_path / "worker1.log").read()
-    assert text.count("serving rank 1 of 3") == 4  # two jobs, the one whose master died, the third
-    assert text.count("ended (exit 0)") >= 3
+    assert text.count("serving rank 1 of 3") == 3  # a job, the one whose master died, the next
+    assert text.count("ended (exit 0)") >= 2
     assert "wrong job token or an altered offer, refused" in text and "worker daemon stopped" in text
 
 
 def _daemon(port, token_file, log):
     return subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", "1", "--token-file",
-                             str(token_file)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=log.name.rsplit("/", 1)[0])
+                             str(token_file), "--preload", ""], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=log.name.rsplit("/", 1)[0])
 
 
 def _wait_log(path, text, count=1, timeout=30):
@@ -193,7 +193,7 @@ def test_daemons_run_ddp_and_replicas_equal_to_a_local_run(tmp_path, args, worke
     args = [*args, "--max-steps", "6"]
     log = open(tmp_path / "daemons.log", "w")
     daemons = [subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", str(r),
-                                 "--token-file", str(token)], stdout=log, stderr=subprocess.STDOUT,
+                                 "--token-file", str(token), "--preload", ""], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True) for r in range(1, workers + 1)]
     try:
         out, _ = _master(port, token, *args, "--checkpoint-dir", str(tmp_path / "daemons"), workers=workers,
@@ -292,7 +292,7 @@ def test_an_unprivileged_daemon_with_the_documented_token_permissions_serves_a_c
         port = free_port()
         log = open(tmp_path / "daemon.log", "w")
         daemon = subprocess.Popen([*as_user, RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", "1",
-                                   "--token-file", token], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   "--token-file", token, "--preload", ""], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                   env={**os.environ, "TMPDIR": os.path.join(state, "tmp"), "HOME": state}, cwd=state)
         out, _ = _master(port, token, "--max-steps", "4", "--checkpoint-every", "2", "--checkpoint-dir", ckpt,
                          workers=1).communicate(timeout=150)

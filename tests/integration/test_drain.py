@@ -41,7 +41,7 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
     wrong.write_text("guess\n")
     logs = [open(tmp_path / f"worker{r}.log", "w") for r in (1, 2, 3)]
     daemons = [subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", str(r), "--token-file",
-                                 str(token)], stdout=logs[r - 1], stderr=subprocess.STDOUT, start_new_session=True)
+                                 str(token), "--preload", ""], stdout=logs[r - 1], stderr=subprocess.STDOUT, start_new_session=True)
                for r in (1, 2, 3)]
     master = subprocess.Popen([RPCMP, "run", job_path("paced"), "--workers", "3", "--listen", f"127.0.0.1:{port}",
                                "--token-file", str(token), *STEPS, "--checkpoint-dir", str(tmp_path / "drained"),
