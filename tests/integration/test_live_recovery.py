@@ -20,7 +20,7 @@ from rpcmp.core.checkpoint import complete_stems, load_checkpoint
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
-STEPS = 200
+STEPS = 60
 
 
 def _command(folder, *extra, job="three"):

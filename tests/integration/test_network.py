@@ -279,10 +279,9 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_run_ends_equal_to_an_un
     clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
     logs.mkdir()
     args = ["--max-steps", "80", "--spares", "1", "--threads", "1"]
-    rpcmp_bin = os.path.join(os.path.dirname(sys.executable), "rpcmp")
-    done = subprocess.run([rpcmp_bin, "run", job_path("three"), "--local", "5", *args, "--checkpoint-dir", str(clean)],
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
+    from helpers import run_ranks
+    assert run_ranks("three", 5, _fit_steps, {"max_steps": 80, "spares": 1, "threads": 1, "checkpoint_dir": str(clean)},
+                     timeout=240) == 80
     proc = subprocess.Popen(["bash", SCRIPT, "--nodes", "5", "--timeout", "400", "--logs", str(logs), "--", job_path("three"),
                              *args, "--checkpoint-dir", str(faulty), "--metrics", str(tmp_path / "m.jsonl")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
