@@ -141,13 +141,25 @@ def worker(master, rank, token_file, iface, preload):
     """Run a worker daemon: serve jobs from MASTER one after another, until SIGTERM."""
     from ..launch.network import select_interface
     from ..launch.daemon import read_token, serve_forever
+    libraries = None if preload is None else [m.strip() for m in preload.split(",") if m.strip()]
+    missing = [m for m in libraries or () if not _importable(m)]
+    if missing:  # the fork server would skip them without a word
+        raise click.BadParameter(f"no module named {', '.join(missing)} in this environment: name each library as "
+                                 f"imported (e.g. segmentation_models_pytorch), or install it", param_hint="--preload")
     try:
         select_interface(iface)
-        libraries = None if preload is None else [m.strip() for m in preload.split(",") if m.strip()]
         serve_forever(master, rank, read_token(None, token_file), libraries=libraries)
     except RpcmpError as exc:
         report(exc)
         sys.exit(2)
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or an empty name
+        return False
 
 
 @main.command()

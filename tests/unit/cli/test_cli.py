@@ -42,6 +42,12 @@ def test_plan_reports_a_bad_placement_clearly():
     assert "3 stages > 2 processes" in result.output
 
 
+def test_worker_refuses_a_preload_that_is_not_installed_before_starting():
+    result = CliRunner().invoke(main, ["worker", "--master", "127.0.0.1:1", "--rank", "1", "--preload", "torch,smp"])
+    assert result.exit_code == 2 and "no module named smp" in result.output and "segmentation_models_pytorch" in result.output, \
+        result.output
+
+
 def test_run_rejects_a_single_process():
     result = CliRunner().invoke(main, ["run", UNET, "--local", "1"])
     assert result.exit_code != 0 and "at least 2 processes" in result.output
