@@ -30,6 +30,12 @@ def run_ranks(job: str, nprocs: int, main, overrides: dict | None = None, timeou
     return launch_local(job_path(job), nprocs, main, overrides=overrides, timeout=timeout, master_in_process=False)
 
 
+def fit_steps(job, world_size) -> int:
+    """A ``run_ranks`` main: the job trained as ``rpcmp run`` trains it; the steps it took."""
+    from rpcmp.train.trainer import fit
+    return fit(job, world_size)["steps"]
+
+
 def assert_close_f32(actual, expected, **kwargs) -> None:
     """``torch.testing.assert_close`` for float32 results, with float32 tolerances.
 

@@ -266,13 +266,14 @@ def _traces(job, example: tuple) -> list:
     (a sweep over other settings, a notebook): tracing is seconds, most of a build. A job whose factory was
     replaced in place is traced again."""
     key = (id(job.model), job.seed, repr(job.stages), repr(example))
-    if key not in _TRACES or _TRACES[key][0] is not job.model:
+    entry = _TRACES.get(key)
+    if entry is None or entry[0] is not job.model:  # held here: another thread's build may drop it from the cache
         sample = from_example(example, "meta")
-        _TRACES[key] = (job.model, [trace_split(meta_model(job), job.stages, sample),
-                                    trace_split(meta_model(job).eval(), job.stages, sample)])
+        entry = _TRACES[key] = (job.model, [trace_split(meta_model(job), job.stages, sample),
+                                            trace_split(meta_model(job).eval(), job.stages, sample)])
         while len(_TRACES) > 8:
             _TRACES.popitem(last=False)
-    return _TRACES[key][1]
+    return entry[1]
 
 
 def _on_meta(sample: Any) -> Any:

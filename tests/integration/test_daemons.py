@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import job_path
+from helpers import fit_steps, job_path
 from rpcmp.launch.runtime import free_port as _one_free_port
 
 pytestmark = pytest.mark.integration
@@ -207,15 +207,10 @@ def test_daemons_run_ddp_and_replicas_equal_to_a_local_run(tmp_path, args, worke
                 os.killpg(d.pid, signal.SIGKILL)
         log.close()
     # the same run on local processes (started by rpcmp's launcher: the command line is not what is compared)
-    run_ranks("mlp", workers + 1, _fit, {**same, "max_steps": 6, "checkpoint_dir": str(tmp_path / "local")}, timeout=150)
+    run_ranks("mlp", workers + 1, fit_steps, {**same, "max_steps": 6, "checkpoint_dir": str(tmp_path / "local")}, timeout=150)
     a, b = load_checkpoint(str(tmp_path / "daemons")), load_checkpoint(str(tmp_path / "local"))
     assert a["mode"] == b["mode"] and a["step"] == b["step"] == 6
     assert_close_f32(a["model"], b["model"])
-
-
-def _fit(job, world_size):
-    from rpcmp.train.trainer import fit
-    return fit(job, world_size)["steps"]
 
 
 SPAWN_PROBE = """

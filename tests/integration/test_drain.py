@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers import assert_close_f32, job_path, metric_steps, run_ranks
+from helpers import assert_close_f32, fit_steps, job_path, metric_steps, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from test_daemons import free_port
 
@@ -31,11 +31,6 @@ def _drain(port, rank, token, timeout=120):
 def _rebalance(port, token, timeout=120):
     return subprocess.run([RPCMP, "rebalance", "--master", f"127.0.0.1:{port}", "--token-file", str(token), "--timeout",
                            str(timeout)], capture_output=True, text=True, timeout=timeout + 60)
-
-
-def _fit(job, world_size):
-    from rpcmp.train.trainer import fit
-    return fit(job, world_size)["steps"]
 
 
 @pytest.mark.timeout(420)
@@ -84,7 +79,7 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
     stopped = re.search(r"stopped by SIGTERM after step (\d+): checkpoint in", out)
     assert "drained worker1" in out and stopped, out
     steps = int(stopped.group(1))  # the same run undisturbed and unpaced, started by rpcmp's launcher
-    assert run_ranks("paced", 4, _fit, {"epochs": 200, "threads": 1, "spares": 1, "max_steps": steps,
+    assert run_ranks("paced", 4, fit_steps, {"epochs": 200, "threads": 1, "spares": 1, "max_steps": steps,
                                         "checkpoint_dir": str(tmp_path / "clean")}, timeout=300) == steps
     text = open(tmp_path / "worker1.log").read()
     assert "ended (exit 0)" in text and "worker daemon stopped" in text, text

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from helpers import job_path
+from helpers import fit_steps, job_path
 
 pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,11 +163,6 @@ def _rank0_pid(namespace):
     return None
 
 
-def _fit_steps(job, world_size):
-    from rpcmp.train.trainer import fit
-    return fit(job, world_size)["steps"]
-
-
 @needs_netns
 @pytest.mark.timeout(600)
 def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_uninterrupted_run(tmp_path):
@@ -177,7 +172,7 @@ def test_rank_0_killed_on_the_cluster_restarts_resumes_and_ends_equal_to_an_unin
     clean, faulty, logs = tmp_path / "clean", tmp_path / "faulty", tmp_path / "logs"
     logs.mkdir()
     common = {"max_steps": steps, "epochs": 100, "checkpoint_every": every}
-    assert run_ranks("mlp", 3, _fit_steps, {**common, "checkpoint_dir": str(clean)}, timeout=240) == steps
+    assert run_ranks("mlp", 3, fit_steps, {**common, "checkpoint_dir": str(clean)}, timeout=240) == steps
     proc = subprocess.Popen(["bash", SCRIPT, "--timeout", "420", "--logs", str(logs), "--", job_path("mlp"),
                              "--max-steps", str(steps), "--epochs", "100", "--checkpoint-every", str(every),
                              "--checkpoint-dir", str(faulty)],  # no --resume: a restart resumes by itself
@@ -230,7 +225,7 @@ def test_two_replicas_of_two_stages_on_namespaced_nodes_equal_a_local_run(tmp_pa
     assert proc.returncode == 0, proc.stdout + proc.stderr + logs
     assert all(f"node{i}: exit 0" in proc.stdout for i in range(nodes)), proc.stdout
     assert f"x 2 replicas: {grid}" in proc.stdout, proc.stdout
-    local = run_ranks("mlp", 4, _fit_steps, {"replicas": 2, "max_steps": 6, "checkpoint_dir": str(tmp_path / "local")},
+    local = run_ranks("mlp", 4, fit_steps, {"replicas": 2, "max_steps": 6, "checkpoint_dir": str(tmp_path / "local")},
                       timeout=240)
     assert local == 6
     assert_close_f32(load_checkpoint(str(tmp_path / "cluster"))["model"], load_checkpoint(str(tmp_path / "local"))["model"])
@@ -280,7 +275,7 @@ def test_a_lost_node_is_replaced_by_a_spare_node_and_the_run_ends_equal_to_an_un
     logs.mkdir()
     args = ["--max-steps", "80", "--spares", "1", "--threads", "1"]
     from helpers import run_ranks
-    assert run_ranks("three", 5, _fit_steps, {"max_steps": 80, "spares": 1, "threads": 1, "checkpoint_dir": str(clean)},
+    assert run_ranks("three", 5, fit_steps, {"max_steps": 80, "spares": 1, "threads": 1, "checkpoint_dir": str(clean)},
                      timeout=240) == 80
     proc = subprocess.Popen(["bash", SCRIPT, "--nodes", "5", "--timeout", "400", "--logs", str(logs), "--", job_path("three"),
                              *args, "--checkpoint-dir", str(faulty), "--metrics", str(tmp_path / "m.jsonl")],

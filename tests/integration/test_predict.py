@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import assert_close_f32, job_path, run_ranks
+from helpers import assert_close_f32, fit_steps, job_path, run_ranks
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
@@ -21,16 +21,11 @@ def _run(*args):
     return proc.stdout
 
 
-def _fit(job, world_size):
-    from rpcmp.train.trainer import fit
-    return fit(job, world_size)["steps"]
-
-
 @pytest.mark.timeout(300)
 def test_predict_unsplit_and_split_agree_and_write_panels(tmp_path):
     ckpt = tmp_path / "ckpt"
     # trained by rpcmp's launcher (`rpcmp run` is tested elsewhere): 2 steps, a checkpoint
-    assert run_ranks("unet", 3, _fit, {"max_steps": 2, "checkpoint_dir": str(ckpt)}) == 2
+    assert run_ranks("unet", 3, fit_steps, {"max_steps": 2, "checkpoint_dir": str(ckpt)}) == 2
     out = _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "a"), "--images", "3")
     assert "8 samples" in out and re.search(r"step-00000002\.[0-9a-f]+\.pt", out)
     _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "b"), "--images", "3", "--local", "3")
