@@ -96,6 +96,7 @@ def main(kill_at: int, every: int, steps: int, out: str) -> None:
     common = ["--max-steps", str(steps), "--epochs", "100"]
     inplace = os.path.join(work, "inplace.jsonl")
     code, t_in, log_in = _run(["--local", "5", "--spares", "1", "--snapshot-every", str(every), *common], inplace, kill_at)
+    open(os.path.join(work, "inplace.log"), "w").write(log_in)
     assert code == 0 and "recovered: worker2" in log_in, log_in[-3000:]
     folder, restart = os.path.join(work, "ckpt"), os.path.join(work, "restart.jsonl")
     code, t_re, log_re = _run(["--local", "4", "--checkpoint-dir", folder, "--checkpoint-every", str(every), *common],

@@ -113,6 +113,24 @@ def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path, uninterrupted):
+    # worker1's copy was kept by worker2, the first lost: it is sent to worker2's spare after the step that
+    # follows the first recovery, and is what the second recovery rebuilds stage 0 from.
+    first = random.randint(11, 14)
+    second = first + random.randint(3, 8)  # step records: the replayed steps count
+    print(f"killing worker2 (stage 1) at step record {first}, worker1 (stage 0) at step record {second}")
+    code, out = _run_and_hit(tmp_path / "run", [(first, "worker2", signal.SIGKILL), (second, "worker1", signal.SIGKILL)],
+                             "--local", "6", "--spares", "2", "--snapshot-every", "10")
+    assert code == 0, out
+    assert "recovered: worker2 was lost" in out and "stage 1 (layers[2:4]) rebuilt on worker4" in out, out
+    assert "recovered: worker1 was lost" in out, out
+    assert "stage 0 (layers[0:2]) rebuilt on worker5 from the snapshot of step 10 kept by worker4" in out, out
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == STEPS
+    assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
 def test_a_second_lost_owner_with_no_spare_left_ends_the_run_naming_why(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL), (25, "worker3", signal.SIGKILL)],
                              "--spares", "1", "--snapshot-every", "5")
