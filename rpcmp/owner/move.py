@@ -31,13 +31,26 @@ import torch.distributed.rpc as rpc
 from ..core.hparams import apply_fields, read_fields
 from ..core.served import current
 from ..errors import StageError
+from ..plan.partition import warm_trace
 from . import state as stage_state
 from .stage import named_params
 
-__all__ = ["export_stage", "take_stage", "gather_stage", "rekey", "fill_stage", "set_routes", "drop_stage",
+__all__ = ["prepare", "export_stage", "take_stage", "gather_stage", "rekey", "fill_stage", "set_routes", "drop_stage",
            "adopt_optimizer", "leave_soon"]
 
 _COUNTERS = ("compute_s", "runs", "bytes_in", "bytes_out", "events")
+
+
+def prepare(spec) -> None:
+    """A spare, while it waits: trace the model of a traced split now (``spec``: any of its stages), so that taking
+    over a lost or drained stage later costs a build, not a trace as well (seconds: 5 s of a 5 s recovery for a
+    small GPT-2). A failure here says nothing: the build that needs the trace reports it."""
+    served = current()
+    try:
+        with served.build_lock:
+            warm_trace(served.job, spec)
+    except Exception:  # noqa: BLE001 - see the docstring
+        pass
 
 
 def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False) -> dict[str, Any]:

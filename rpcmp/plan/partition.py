@@ -36,7 +36,8 @@ from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut,
 from .lengths import input_sizes, require_any_length
 from ..errors import PartitionError
 
-__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "build_empty", "declaration_kind", "has_batchnorm"]
+__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "build_empty", "warm_trace", "declaration_kind",
+           "has_batchnorm"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,13 @@ def build_empty(job, spec: StageSpec, device: torch.device | str) -> nn.Module |
         if any(isinstance(v, torch.Tensor) and v.is_meta for v in vars(m).values()):
             return None
     return module
+
+
+def warm_trace(job, spec: StageSpec) -> None:
+    """Trace the model that ``spec`` was cut from, if it is a traced stage, so that a later build of any stage of
+    it in this process is a build, not a trace (graphs on the meta device: no values are held)."""
+    if spec.kind == "traced":
+        _traces(job, spec.example)
 
 
 def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:

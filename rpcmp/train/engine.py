@@ -86,6 +86,9 @@ class PipelineEngine:
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
         self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
+        if self.spares and pipe.specs[0].kind == "traced":  # each spare traces the model while it waits
+            for spare in self.spares:
+                rpc.rpc_async(spare, owner_move.prepare, args=(pipe.specs[0],))
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
     def steps_per_epoch(self, n: int) -> int:

@@ -48,7 +48,10 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
     log = MetricsLog(job.metrics_file if engine.is_main else None)
     tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
     with Progress(*_progress_columns(), console=console, transient=False, disable=not engine.is_main) as progress:
-        while step < total and stop.signum is None:
+        while (step < total and stop.signum is None) or (job.checkpoint_dir and saved != step):
+            if step >= total or stop.signum is not None:  # the last checkpoint (a rollback trains again from there)
+                saved, step, epoch, first_batch = _save_or_roll_back(job, engine, run, progress, None, losses, step, epoch, first_batch)
+                continue
             engine.train()
             groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
             task = progress.add_task("train", total=min(steps, first_batch + total - step), completed=first_batch,
@@ -75,10 +78,8 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
                 if note := engine.after_step(step, position):  # a re-cut (Job.rebalance) says what it did
                     progress.console.print(note, soft_wrap=True)
                 if job.checkpoint_dir and job.checkpoint_every and step % job.checkpoint_every == 0:
-                    try:
-                        saved = _save(job, engine, run, step, *position)
-                    except RolledBack as back:  # an owner lost while it wrote its part
-                        (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
+                    saved, step, *position = _save_or_roll_back(job, engine, run, progress, task, losses, step, *position)
+                    if rolled := saved is None:  # an owner lost while it wrote its part: train again from where it says
                         break
                 if step >= total or stop.signum is not None:  # see [Note: stopping a run]
                     break
@@ -91,9 +92,8 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
                           heldout_metric=heldout_metric, **engine.epoch_metrics())
             epoch, first_batch = position
             if not rolled and job.checkpoint_dir and not job.checkpoint_every and saved != step:
-                saved = _save(job, engine, run, step, epoch, first_batch)
-    if job.checkpoint_dir and saved != step:
-        _save(job, engine, run, step, epoch, first_batch)
+                saved, step, epoch, first_batch = _save_or_roll_back(job, engine, run, progress, task, losses, step, epoch,
+                                                                     first_batch)
     return _finish(job, engine, console, log, tracer, heldout, before, losses, samples, step, time.perf_counter() - start,
                    stop.name)
 
@@ -110,7 +110,8 @@ def _this_run(run: str | None, engine) -> str:
 def _rolled_back(back, progress, task, losses: list, step: int) -> tuple[int, tuple[int, int]]:
     """After a recovery: say it, drop the losses of the steps to train again; where to go on from."""
     progress.console.print(back.line, soft_wrap=True)
-    progress.remove_task(task)
+    if task is not None:
+        progress.remove_task(task)
     del losses[len(losses) - (step - back.position[0]):]
     return back.position[0], back.position[1:]
 
@@ -192,6 +193,17 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _save_or_roll_back(job, engine, run: str, progress, task, losses: list, step: int, epoch: int,
+                       next_batch: int) -> tuple[int | None, int, int, int]:
+    """A checkpoint between epochs or at the end: (the step saved, step, epoch, next batch); an owner lost while
+    it wrote its part was replaced and every stage rolled back (rpcmp/master/recovery.py): (None, where to go on)."""
+    try:
+        return _save(job, engine, run, step, epoch, next_batch), step, epoch, next_batch
+    except RolledBack as back:
+        step, (epoch, next_batch) = _rolled_back(back, progress, task, losses, step)
+        return None, step, epoch, next_batch
 
 
 def _save(job, engine, run: str, step: int, epoch: int, next_batch: int) -> int:
