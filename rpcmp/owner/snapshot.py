@@ -35,8 +35,11 @@ def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
     served = current()
     me = served.me
     previous = served.shipping.pop(pid, None)
-    if previous is not None:
-        previous.wait()  # one shipment at a time: see [Note: snapshots and their buddies]
+    if previous is not None:  # one shipment at a time: see [Note: snapshots and their buddies]
+        try:
+            previous.wait()
+        except Exception:  # noqa: BLE001 - its buddy was lost: the recovery sent this stage's copy to the new one
+            pass
     futs = []
     for i, host in enumerate(sorted(served.hosts_of(pid), key=lambda h: h.spec.index)):
         index = host.spec.index

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ..core.checkpoint import latest_checkpoint, load_checkpoint
 from ..data import data_loader, epoch_batches, step_groups
+from ..core.health import unresponsive
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
 from ..master.livecopy import LiveCopies
@@ -203,7 +204,20 @@ class PipelineEngine:
             return evaluate(self.pipe, dataset, self.job)
 
     def train(self) -> None:
-        self.pipe.train()
+        self._between_steps(self.pipe.train, None)
+
+    def _between_steps(self, call, default):
+        """``call()`` to every owner between two steps, or ``default`` where it fails and a spare can take over:
+        the next step or checkpoint meets the same lost owner and replaces it (see [Note: recovery from a lost
+        owner]); without spares the error stands, as the trainer reports it."""
+        try:
+            return call()
+        except Exception:  # noqa: BLE001 - see the docstring
+            gone = unresponsive(sorted({place.process for _, _, place in self.pipe.rows}), timeout=3.0)
+            if (self.snapshots is None and self.live is None) or not gone:
+                raise
+            current().lost.update(gone)  # its end is no failure of the run, and it takes no part in a graceful shutdown
+            return default
 
     def state_meta(self) -> dict:
         return self.pipe.state_meta()
@@ -223,7 +237,9 @@ class PipelineEngine:
         return {"lr": self.pipe.lr, "grad_norm": self.pipe.last_grad_norm}
 
     def epoch_metrics(self) -> dict:
-        stats = self.pipe.stats()
+        stats = self._between_steps(self.pipe.stats, None)
+        if stats is None:  # an owner was lost at the epoch's end: no figures for this epoch
+            return {"stages": None}
         return {"stages": [{"stage": s.index, "name": s.name, "owner": str(p), "replica": r, "forward_s": st["compute_s"],
                             "micro_batches": st["runs"], "peak_rss_mib": st["peak_rss_mib"], "wall_s": st["wall_s"],
                             "process_cpu_s": st["process_cpu_s"], "mib_in": st["mib_in"], "mib_out": st["mib_out"]}
@@ -318,7 +334,11 @@ class PipelineEngine:
                                       "peak RSS MiB")
         for col in cols:
             table.add_column(col, justify="left" if col in ("stage", "owner") else "right")
-        for (replica, spec, place), st in zip(self.pipe.rows, self.pipe.stats()):
+        stats = self._between_steps(self.pipe.stats, None)
+        if stats is None:
+            console.print("rpcmp run: no stage figures (an owner was lost after the last step)")
+            return
+        for (replica, spec, place), st in zip(self.pipe.rows, stats):
             busy = st["process_cpu_s"] / max(st["wall_s"], 1e-9) / max(torch.get_num_threads(), 1)
             table.add_row(*(str(replica),) * grid, f"{spec.index} {spec.name}", str(place), str(int(st["runs"])),
                           f"{st['compute_s']:.2f}", f"{busy:.0%}", f"{st['mib_in']:.1f}", f"{st['mib_out']:.1f}",

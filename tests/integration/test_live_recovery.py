@@ -106,6 +106,18 @@ def test_without_snapshots_the_lost_stage_comes_from_the_last_checkpoint(tmp_pat
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("at", [32, STEPS], ids=["epoch-end", "last"])
+def test_an_owner_lost_at_an_epoch_s_end_or_the_run_s_is_recovered_or_harmless(tmp_path, uninterrupted, at):
+    # Without --checkpoint-every the run saves after each epoch (32 steps) and at the end: the kill lands as the
+    # epoch's figures are gathered, as the checkpoint is written or just after it.
+    code, out = _run_and_hit(tmp_path / "run", [(at, "worker2", signal.SIGKILL)], "--spares", "1")
+    assert code == 0 and "Traceback" not in out, out
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == STEPS
+    assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
 def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL)], "--local", "4")
     assert code == 1, out
