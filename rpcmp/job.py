@@ -17,11 +17,11 @@ import torch
 
 from .errors import JobError
 from .plan.schedule import SCHEDULES
-from .plan.partition import Split, declaration_kind
+from .plan.partition import Split, SplitAt, declaration_kind
 from .plan.topology import check_replicas
 from .core.wire import WIRES
 
-__all__ = ["Job", "load_job"]
+__all__ = ["Job", "load_job", "check_movable"]
 
 _TRANSPORTS = ("uv", "shm")
 
@@ -55,7 +55,7 @@ class Job:
     mode: str = "pipeline"  # "pipeline": stages over processes; "ddp": the whole model on every rank
     replicas: int = 1  # pipeline mode: copies of the pipeline, each on its share of every batch (rpcmp/master/replicas.py)
     spares: int = 0  # pipeline mode: the last ranks hold no stage and wait to take one (rpcmp/master/recovery.py)
-    rebalance: bool = False  # a Split pipeline re-cuts itself when its stages' measured work is out of balance
+    rebalance: bool = False  # a Split or SplitAt pipeline re-cuts itself when its stages' measured work is out of balance
     snapshot_every: int | None = None  # with spares: steps between in-memory snapshots of the stages (None: 10; 0: off)
     accumulate: int = 1  # batches whose gradients add up to one optimizer step
     precision: str = "fp32"  # "bf16": autocast; "fp16": autocast + loss scaling (DDP mode: on GPUs only)
@@ -103,9 +103,8 @@ class Job:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise JobError(f"Job.{name} must be 0 or a positive integer, got {value!r}")
-        if self.rebalance and not isinstance(self.stages, Split):
-            raise JobError(f"Job.rebalance re-cuts a Split (the layers of an nn.Sequential); these stages are "
-                           f"{type(self.stages).__name__}: declare them with rpcmp.Split(...), or drop rebalance")
+        if self.rebalance:
+            check_movable(self.stages)
         if self.spares and self.mode != "pipeline":
             raise JobError(f"Job.spares={self.spares}: spare processes take over a lost pipeline stage; DDP mode has no "
                            f"stages: drop spares, or use mode='pipeline'")
@@ -193,3 +192,16 @@ def load_job(path: str, name: str = "job", overrides: dict | None = None) -> Job
         job = Job(**fields)
     job.source = path
     return job
+
+
+def check_movable(stages: Any) -> None:
+    """``Job(rebalance=True)`` re-cuts a ``Split``, or a ``SplitAt`` at named children of one module."""
+    points = stages.points if isinstance(stages, SplitAt) else None
+    if points is None and not isinstance(stages, Split):
+        raise JobError(f"Job.rebalance re-cuts a Split (the layers of an nn.Sequential) or a SplitAt (its points move "
+                       f"among a transformer's blocks); these stages are {type(stages).__name__}: declare them with "
+                       f"rpcmp.Split(...) or rpcmp.SplitAt(...), or drop rebalance")
+    if points is not None and (not points or len({p.rpartition(".")[0] for p in points}) != 1):
+        raise JobError(f"Job.rebalance moves the points of a SplitAt among the children of one module (SplitAt('h.2', "
+                       f"'h.4')); got SplitAt{tuple(points)}{' (pipe_split() markers cannot move)' if not points else ''}: "
+                       f"name points of one module, or drop rebalance")

@@ -27,7 +27,7 @@ from ..owner import stage
 from ..plan.placement import Place
 from .sync import LocalMerge
 
-__all__ = ["move_stage", "parse_target", "build_on", "install", "new_optimizer"]
+__all__ = ["move_stage", "parse_target", "build_on", "build_many", "install", "new_optimizer"]
 
 
 def parse_target(target: str) -> Place:
@@ -72,11 +72,18 @@ def build_on(pipe, index: int, place: Place, owners: list[str], empty: bool = Tr
     """Build stage ``index`` on ``place`` for a pipeline whose stages will be on ``owners``; with ``empty``,
     to be filled with every value it holds (not drawn); its gate waits for the pipeline's next micro-batch.
     What ``stage.build`` returned."""
-    nxt = owners[index + 1] if index + 1 < len(owners) else None
-    built = rpc.rpc_sync(place.process, stage.build, args=(pipe.pid, pipe.specs[index], place, nxt, pipe.job.rpc_timeout,
-                                                           {**pipe.build_options, "owners": owners, "empty": empty}))
-    raise_failures([built])
-    rpc.rpc_sync(place.process, stage.resync, args=(pipe.pid, index, pipe.next_seq))
+    return build_many(pipe, {index: place}, owners, empty)[index]
+
+
+def build_many(pipe, places: dict, owners: list[str], empty: bool = True) -> dict:
+    """:func:`build_on` for several stages (``places``: index -> place) at once, each on its process."""
+    def options(k):
+        nxt = owners[k + 1] if k + 1 < len(owners) else None
+        return (pipe.pid, pipe.specs[k], places[k], nxt, pipe.job.rpc_timeout,
+                {**pipe.build_options, "owners": owners, "empty": empty})
+    built = dict(zip(places, wait_all([rpc.rpc_async(p.process, stage.build, args=options(k)) for k, p in places.items()])))
+    raise_failures(list(built.values()))
+    wait_all([rpc.rpc_async(p.process, stage.resync, args=(pipe.pid, k, pipe.next_seq)) for k, p in places.items()])
     return built
 
 

@@ -53,16 +53,19 @@ def prepare(spec) -> None:
         pass
 
 
-def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False) -> dict[str, Any]:
+def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False,
+                 only: set[str] | None = None) -> dict[str, Any]:
     """Everything of stage ``index`` here that its next owner needs (see [Note: what a stage is, to
-    move it]); with ``copy``, copies that later steps leave alone (a snapshot)."""
+    move it]); with ``copy``, copies that later steps leave alone (a snapshot); with ``only``, of the
+    tensors named there (the unsplit model's names) alone."""
     host = current().host(pid, index)
-    module = host.module
-    names = {host.spec.prefix + n for n, _ in module.named_parameters()}
+    module, prefix = host.module, host.spec.prefix
+    wanted = (lambda n: True) if only is None else (lambda n: prefix + n in only)
+    names = {prefix + n for n, _ in module.named_parameters() if wanted(n)}
     optim = stage_state.optimizer_state(pid, optim_rref, names, copy=copy) if optim_rref is not None else {}
     own = (lambda t: t.detach().cpu().clone()) if copy else (lambda t: t.detach().cpu())
-    return {"params": {n: own(p) for n, p in module.named_parameters()},
-            "buffers": {n: own(b) for n, b in module.named_buffers()},
+    return {"params": {n: own(p) for n, p in module.named_parameters() if wanted(n)},
+            "buffers": {n: own(b) for n, b in module.named_buffers() if wanted(n)},
             "optimizer": optim, "fields": read_fields(optim_rref.local_value().optim) if optim_rref is not None else {},
             "training": module.training, "rng": stage_state.rng_state() if rng else None,
             "counters": {k: getattr(host, k) for k in _COUNTERS}, "prefix": host.spec.prefix}
@@ -106,29 +109,37 @@ def fill_stage(host, got: dict[str, Any], where: str, counters: bool = True, cop
     host.moved_optimizer = (optim, got["fields"])  # taken by adopt_optimizer
 
 
-def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int]], optims: dict) -> None:
+def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int]], optims: dict,
+                 aliases: dict[str, tuple[str, ...]] | None = None) -> None:
     """Fill the stage ``index`` just built here (a re-cut: other layers than before) with the tensors it
     now holds, by the unsplit model's names, from the old stages that held them (``sources``: process ->
-    old stage indices of pipeline ``old_pid``; ``optims``: their local optimizers, by process)."""
+    old stage indices of pipeline ``old_pid``; ``optims``: their local optimizers, by process;
+    ``aliases``: the other names of a parameter held under several, as a tied head is)."""
     host = current().host(pid, index)
-    mine = {host.spec.prefix + n for n, _ in host.module.named_parameters()}
-    got: dict[str, Any] = {"params": {}, "buffers": {}, "optimizer": {}, "fields": {}, "training": True, "rng": None,
-                           "counters": {}}
+    prefix, aliases = host.spec.prefix, aliases or {}
+    keep = {"params": dict(host.module.named_parameters()), "buffers": dict(host.module.named_buffers())}
+    wanted = {prefix + n for kind in keep.values() for n in kind}
+    wanted |= {a for n in wanted for a in aliases.get(n, ())}
+    found: dict[str, dict[str, Any]] = {"params": {}, "buffers": {}, "optimizer": {}}
+    got: dict[str, Any] = {"fields": {}, "training": True, "rng": None, "counters": {}}
     for process, olds in sources.items():
         for j in olds:
-            part = rpc.rpc_sync(process, export_stage, args=(old_pid, j, optims.get(process), False), timeout=host.timeout)
+            part = rpc.rpc_sync(process, export_stage, args=(old_pid, j, optims.get(process), False, False, wanted),
+                                timeout=host.timeout)
             for kind in ("params", "buffers"):
-                for name, tensor in part[kind].items():
-                    full = part["prefix"] + name
-                    if full.startswith(host.spec.prefix):
-                        got[kind][full[len(host.spec.prefix):]] = tensor
-            got["optimizer"].update({n: st for n, st in part["optimizer"].items() if n in mine})
+                found[kind].update({part["prefix"] + n: t for n, t in part[kind].items()})
+            found["optimizer"].update(part["optimizer"])
             got["fields"] = got["fields"] or part["fields"]
             got["training"] = part["training"]
-    keep = {"params": dict(host.module.named_parameters()), "buffers": dict(host.module.named_buffers())}
-    for kind in ("params", "buffers"):  # the old stages held more than this one takes (fill_stage wants its own)
-        got[kind] = {n: t for n, t in got[kind].items() if n in keep[kind]}
+    for kind in ("params", "buffers", "optimizer"):  # by its own name, else by another name of the same tensor
+        mine = keep["params" if kind == "optimizer" else kind]
+        got[kind] = {n: v for n in mine for v in [_by_name(found[kind], prefix + n, aliases)] if v is not None}
+    got["optimizer"] = {prefix + n: v for n, v in got["optimizer"].items()}
     fill_stage(host, got, f"re-cutting stage {index} ({host.spec.name}) on {rpc.get_worker_info().name}", counters=False)
+
+
+def _by_name(table: dict[str, Any], name: str, aliases: dict[str, tuple[str, ...]]) -> Any:
+    return next((table[n] for n in (name, *aliases.get(name, ())) if n in table), None)
 
 
 def rekey(old_pid: int, pid: int, index: int) -> None:

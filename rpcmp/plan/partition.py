@@ -27,16 +27,17 @@ import torch.utils._pytree as pytree
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
-from .materialize import (attach_tensor, attribute, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
+from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, place_unused, read_constant, set_constant, set_tensor, shared_params,
                           tensor_names, tensor_table)
-from .graphs import forget_trace, graphs, place_graph
+from .graphs import forget_trace, place_graph
+from .strange import refuse_strange
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      stage_module, trace_split)
 from .lengths import input_sizes, require_any_length
 from ..errors import PartitionError
 
-__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "build_stage", "build_empty", "warm_trace", "declaration_kind",
+__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "replan", "build_stage", "build_empty", "warm_trace", "declaration_kind",
            "has_batchnorm"]
 
 
@@ -90,6 +91,7 @@ class StageSpec:
     unused: tuple[str, ...] = ()  # "traced": tensors no graph reads, kept here (see [Note: parameters forward does not use])
     tied: tuple[tuple[str, str], ...] = ()  # (name here, the unsplit model's first name) of parameters other stages share
     sizes: tuple = ()  # "traced": per input tensor, each dimension's size where the graph fixes it, else None
+    cut: tuple[str, ...] = ()  # "traced": the SplitAt points the graph was cut at (a re-cut moves them)
 
 
 def declaration_kind(stages: Any) -> str:
@@ -209,7 +211,7 @@ def warm_trace(job, spec: StageSpec) -> None:
     """Trace the model that ``spec`` was cut from, if it is a traced stage, so that a later build of any stage of
     it in this process is a build, not a trace (graphs on the meta device: no values are held)."""
     if spec.kind == "traced":
-        _traces(job, spec.example)
+        _traces(_as_cut(job, spec), spec.example)
 
 
 def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
@@ -232,6 +234,7 @@ def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
 def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device | str | None = None) -> nn.Module:
     """Trace the model on the meta device as the master did, then give this stage, and only it,
     the unsplit model's values: every tensor its graphs read (see [Note: every tensor a stage reads])."""
+    job = _as_cut(job, spec)
     pipes = _traces(job, spec.example)
     modules = [graph_copy(pipe, spec.index) for pipe in pipes]  # the traces stay as they are for the next build
     if not meta:
@@ -302,7 +305,7 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     model = meta_model(job)  # see [Note: each owner materializes only its part]
     pipe, evaluated = _traces(job, example_of(example))
     held = [set(tensor_table(pipe.get_stage_module(i))) for i in range(pipe.num_stages)]
-    _refuse_strange(model, pipe, held)  # the promise of SplitAt: the unsplit model's names
+    refuse_strange(model, pipe, held)  # the promise of SplitAt: the unsplit model's names
     unused = place_unused(model, held)
     tied = shared_params(model, [h | set(u) for h, u in zip(held, unused)])
     check_any_batch_size(pipe, example)
@@ -314,8 +317,26 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     bn = has_batchnorm(model)
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
-                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i], sizes=sizes)
+                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
+                      cut=tuple(job.stages.points))
             for i in range(pipe.num_stages)]
+
+
+def replan(job, specs: list[StageSpec], cut: Any) -> list[StageSpec]:
+    """The stages of ``job``, now cut as ``specs``, cut anew (a re-cut while training: rpcmp.master.recut):
+    ``cut`` is a balance (layer counts) for a ``Split``, the points of a ``SplitAt`` for a traced split."""
+    if specs[0].kind == "traced":
+        points = cut.points if isinstance(cut, SplitAt) else tuple(cut)
+        return _trace_plan(replace(job, stages=SplitAt(*points, lengths=job.stages.lengths)),
+                           from_example(specs[0].example, "meta"))
+    return plan_stages(replace(job, stages=Split([int(b) for b in cut])), None)
+
+
+def _as_cut(job, spec: StageSpec):
+    """``job`` as ``spec`` was planned: after a re-cut, a traced stage is cut at other points than ``job.stages``."""
+    if spec.kind != "traced" or not spec.cut or spec.cut == job.stages.points:
+        return job
+    return replace(job, stages=SplitAt(*spec.cut, lengths=job.stages.lengths))
 
 
 def has_batchnorm(module: nn.Module, spec: StageSpec | None = None) -> bool:
@@ -324,46 +345,6 @@ def has_batchnorm(module: nn.Module, spec: StageSpec | None = None) -> bool:
     module: its spec says whether the model had one."""
     return bool(spec is not None and spec.has_bn) or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                                                           for m in module.modules())
-
-
-def _refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
-    """Refuse, saying why, a split whose stages hold tensors the model has no name for: a constant that
-    ``forward`` makes from Python values on the meta device (its value is not known), or state ``forward``
-    keeps between calls (a key-value cache)."""
-    strange = sorted(set().union(*held) - set(tensor_table(model)))
-    if not strange:
-        return
-    lifted = [(i, n) for i in range(pipe.num_stages) for n in sorted(held[i]) if n in strange
-              and n.rpartition(".")[2].startswith("lifted_tensor") and attribute(pipe.get_stage_module(i), n).is_meta]
-    if lifted and not _cached(model):  # a key-value cache is such a tensor too: the setting to change says more
-        i, name = lifted[0]
-        where, _, leaf = name.rpartition(".")
-        readers = sorted({str(u.target) for _, _, g in graphs(pipe.get_stage_module(i).get_submodule(where))
-                          for node in g.nodes if node.op == "get_attr" and node.target == leaf for u in node.users})
-        raise PartitionError(
-            f"SplitAt: {where or type(model).__name__}'s forward makes a tensor from Python values on its input's device ({name}, read by "
-            f"{', '.join(readers) or 'the graph'}; indexing with a list, x[..., [-2]], does this). Traced on the meta "
-            f"device, its value is unknown, so the stage could not be built exactly. Index with a slice "
-            f"(x[..., -2:-1]) or a registered buffer, or declare the stages by modules (rpcmp.Split over an "
-            f"nn.Sequential)")
-    raise PartitionError(f"SplitAt: the traced stages hold tensors {type(model).__name__} has no name for "
-                         f"({strange[:5]}{'...' if len(strange) > 5 else ''}): tensors its forward creates and "
-                         f"keeps between calls, which a stage cannot hand on. {_cache_hint(model)}")
-
-
-def _cached(model: nn.Module) -> list[str]:
-    """The submodules whose Hugging Face config keeps a key-value cache."""
-    return [n for n, m in model.named_modules() if getattr(getattr(m, "config", None), "use_cache", False)]
-
-
-def _cache_hint(model: nn.Module) -> str:
-    """The setting to change when a Hugging Face model's key-value cache is what the trace kept."""
-    cached = _cached(model)
-    if cached:
-        where = f"self.{cached[0]}" if cached[0] else "the model"
-        return (f"{where} has config.use_cache=True: its key-value cache is such a tensor. Build it with "
-                f"use_cache=False in its config (or call it with use_cache=False); a pipeline trains without a cache")
-    return "Keep such state out of forward, or declare the stages another way"
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:

@@ -22,7 +22,8 @@ from ..owner import move as owner_move
 from ..plan.placement import process_name
 from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
-from ..plan.partition import Split
+from ..job import check_movable
+from ..errors import JobError, PartitionError
 from ..plan.topology import Topology
 from ..core.served import RunStatus, current
 
@@ -139,10 +140,13 @@ class PipelineEngine:
 
     def _measure(self, control, number: int, nonce: str) -> str | None:
         """``rpcmp rebalance``: measure once from the next step on and re-cut if it pays (answered by :meth:`_once`)."""
-        if not isinstance(self.job.stages, Split) or self.replicated:
-            control.answer(number, nonce, False, "not re-cut: only a Split pipeline without replicas can be re-cut")
-            return None
-        self.oneoff = (Rebalancer(self.pipe, warmup=0), number, nonce)
+        try:
+            if self.replicated:
+                raise JobError("a pipeline with replicas cannot be re-cut yet")
+            check_movable(self.job.stages)
+            self.oneoff = (Rebalancer(self.pipe, warmup=0), number, nonce)
+        except (JobError, PartitionError) as exc:
+            control.answer(number, nonce, False, f"not re-cut: {exc}")
         return None
 
     def _once(self, control, step: int) -> str | None:
@@ -315,10 +319,11 @@ class PipelineEngine:
 
     # -- the timeline (rpcmp.train.trainer.Tracer; pipeline mode only) -----------------------
     def start_trace(self) -> None:
-        self.pipe.start_trace()
+        self._between_steps(self.pipe.start_trace, None)
 
-    def stop_trace(self) -> dict[int, list]:
-        return self.pipe.stop_trace()
+    def stop_trace(self) -> dict[int, list] | None:
+        """Each stage's trace slices; None when an owner was lost at the traced steps' end (with spares)."""
+        return self._between_steps(self.pipe.stop_trace, None)
 
     @property
     def next_seq(self) -> int:

@@ -152,7 +152,8 @@ class Tracer:
         self.engine, self.job, self.first, self.last, self.steps = engine, job, first, last, []
 
     def before(self, step: int) -> None:
-        if self.on and step == self.first:
+        if self.on and step == self.first:  # again after a rollback to before it: the replayed steps are traced
+            self.steps = []
             self.engine.start_trace()
         if self.on and self.first <= step <= self.last:
             self._seq0 = self.engine.next_seq
@@ -167,6 +168,10 @@ class Tracer:
 
     def finish(self, console: Console) -> None:
         if not (self.on and self.steps and "events" in self.steps[-1]):
+            return
+        if self.steps[-1]["events"] is None:
+            console.print(f"trace not written to {self.job.trace_file}: an owner was lost as the traced steps ended, "
+                          f"with its slices (its stage went on on a spare)", soft_wrap=True)
             return
         summary = write_chrome_trace(self.job.trace_file, self.steps, self.engine.stage_names(),
                                      len(self.steps[0]["seqs"]))

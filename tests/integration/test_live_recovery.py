@@ -77,8 +77,11 @@ def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterru
                                                                                          steps):
     at = random.randint(*steps)  # snapshots every 10 steps (the default) and at the start
     print(f"hitting worker2 (stage 1) with {sig.name} at step {at}")
-    code, out = _run_and_hit(tmp_path / "run", [(at, "worker2", sig)], "--spares", "1", "--hang-timeout", "5")
+    trace = ["--trace", str(tmp_path / "trace.json")] if steps[0] == 3 else []  # steps 2-4: the hit may land in them
+    code, out = _run_and_hit(tmp_path / "run", [(at, "worker2", sig)], "--spares", "1", "--hang-timeout", "5", *trace)
     assert code == 0, out
+    if trace:
+        assert "trace of steps [2, 3, 4] written" in out or "trace not written" in out, out
     assert out.count("recovered: worker2 was lost") == 1, out
     assert "rebuilt on worker4 from the snapshot of step" in out, out
     if sig == signal.SIGSTOP:

@@ -1,5 +1,7 @@
-"""Re-cutting a Split pipeline while it trains: ``pipe.recut(balance)`` by hand, and
-``--rebalance``, which re-cuts by itself; the model is the one an undisturbed run trains."""
+"""Re-cutting a Split pipeline while it trains: ``pipe.recut(balance)`` by hand, and ``--rebalance``,
+which re-cuts by itself; the model is the one an undisturbed run trains. A SplitAt's re-cut:
+tests/unit/master/test_recut_in_process.py, and each language model in
+tests/integration/test_language_models.py."""
 import dataclasses
 import os
 import re

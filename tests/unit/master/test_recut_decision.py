@@ -2,6 +2,7 @@
 5 % faster, never back to a balance it has had (rpcmp.master.recut.Rebalancer)."""
 import types
 
+import pytest
 import torch
 from torch import nn
 
@@ -40,3 +41,32 @@ def test_measured_costs_not_parameter_counts_decide():
     r = Rebalancer(_pipe([4, 2, 2]))
     balance, _, _ = r.propose([1.0, 4.0, 1.0])  # the middle stage's two layers are slow ones
     assert balance[1] == 1 and sum(balance) == 8
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=16, n_embd=32, n_layer=6, n_head=4, use_cache=False))
+
+
+def _traced_pipe(points):
+    job = rpcmp.Job(model=_gpt2, stages=rpcmp.SplitAt(*points), batch_size=4, loss=nn.functional.cross_entropy,
+                    optimizer=(torch.optim.SGD, {"lr": 0.1}), rebalance=True)
+    return types.SimpleNamespace(job=job, specs=[types.SimpleNamespace(cut=tuple(points))] * (len(points) + 1),
+                                 owners=["worker1", "worker2", "worker3"])
+
+
+def test_a_split_at_moves_its_points_among_the_blocks_the_head_weighing_on_the_last_stage():
+    r = Rebalancer(_traced_pipe(["transformer.h.1", "transformer.h.2"]))
+    assert r.units.names == tuple(f"transformer.h.{i}" for i in range(6)) and r.balance == (1, 1, 4)
+    block, last = r.units.weights[0], r.units.weights[-1]
+    assert r.units.weights[1:-1] == (block,) * 4 and last > block  # the tied head's product; the embeddings, nothing
+    balance, now, then = r.propose([1.0, 1.0, 4.0 + (last - block) / block])  # time in proportion to the weights
+    assert then < now and sum(balance) == 6 and balance[-1] < 4
+    assert r.units.cut(balance) == tuple(f"transformer.h.{i}" for i in (balance[0], balance[0] + balance[1]))
+
+
+def test_only_points_among_one_module_s_children_can_move():
+    with pytest.raises(rpcmp.errors.JobError, match="children of one module"):
+        _traced_pipe(["transformer.h.1", "lm_head"])
+    with pytest.raises(rpcmp.errors.PartitionError, match="after the first"):
+        Rebalancer(_traced_pipe(["transformer.h.0", "transformer.h.2"]))
