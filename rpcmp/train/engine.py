@@ -88,9 +88,7 @@ class PipelineEngine:
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
         self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
-        if self.spares and pipe.specs[0].kind == "traced":  # each spare traces the model while it waits
-            for spare in self.spares:
-                rpc.rpc_async(spare, owner_move.prepare, args=(pipe.specs[0],))
+        self._prepare_spares()
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
     def steps_per_epoch(self, n: int) -> int:
@@ -134,9 +132,17 @@ class PipelineEngine:
         notes = [n for n in notes if n]
         if notes and self.rebalancer is not None:
             self.rebalancer.since = None  # stages changed place: measure afresh
+        if notes:
+            self._prepare_spares()  # a re-cut: the cut a spare would build now
         if self.snapshots is not None:
             self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
         return "\n".join(notes) or None
+
+    def _prepare_spares(self) -> None:
+        """Each spare traces the model of a traced split, as it is cut now, while it waits."""
+        if self.spares and self.pipe.specs[0].kind == "traced":
+            for spare in self.spares:
+                rpc.rpc_async(spare, owner_move.prepare, args=(self.pipe.specs[0],))
 
     def _measure(self, control, number: int, nonce: str) -> str | None:
         """``rpcmp rebalance``: measure once from the next step on and re-cut if it pays (answered by :meth:`_once`)."""
