@@ -64,7 +64,7 @@ class LiveCopies:
     """The master's side of spares for a :class:`~rpcmp.master.replicas.Replicated` pipeline."""
 
     def __init__(self, replicated, spares: list[str]):
-        self.rep, self.spares, self.regroups = replicated, spares, 0  # the engine's list: a drain takes from it too
+        self.rep, self.spares = replicated, spares  # the engine's list: a drain takes from it too
         for pipe in replicated.pipes:
             pipe.sync.mark = True
 
@@ -162,12 +162,4 @@ class LiveCopies:
 
     def _regroup(self, stages: list[int]) -> None:
         """The copies of each rebuilt stage average in a new process group (see the Note)."""
-        self.regroups += 1
-        seconds = max(60.0, self.rep.job.hang_timeout or 0)
-        futs = []
-        for k in stages:
-            prefix = f"rpcmp/regroup/{current().attempt}/{self.regroups}/{k}/"
-            futs += [rpc.rpc_async(p.owners[k], live.regroup, args=(k, prefix, i, len(self.rep.pipes),
-                                                                   p.places[k].device, seconds))
-                     for i, p in enumerate(self.rep.pipes)]
-        wait_all(futs)
+        self.rep.regroup(stages)

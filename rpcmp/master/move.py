@@ -41,13 +41,15 @@ def parse_target(target: str) -> Place:
     return Place(process, device or "cpu")
 
 
-def move_stage(pipe, index: int, target: str) -> float:
-    """Move stage ``index`` of ``pipe`` to ``target`` (see [Note: moving a stage]); the seconds it took."""
+def move_stage(pipe, index: int, target: str, copy_of: bool = False) -> float:
+    """Move stage ``index`` of ``pipe`` to ``target`` (see [Note: moving a stage]); the seconds it took.
+    ``copy_of``: ``pipe`` is a copy of a replicated pipeline, whose caller gives the stage's copies a
+    new process group after (:meth:`rpcmp.master.replicas.Replicated.move_stage`)."""
     if not 0 <= index < len(pipe.specs):
         raise JobError(f"move_stage: the pipeline has stages 0..{len(pipe.specs) - 1}, not {index}")
-    if not isinstance(pipe.sync, LocalMerge):
-        raise JobError("move_stage: a pipeline with replicas cannot move a stage yet (the copies' process groups "
-                       "would still name the old owner); move stages of Job(replicas=1) pipelines")
+    if not copy_of and not isinstance(pipe.sync, LocalMerge):
+        raise JobError("move_stage: this pipeline is one copy of a replicated one: move its stages with "
+                       "Replicated.move_stage(index, target, replica), which regroups the stage's copies")
     new, old = parse_target(target), pipe.places[index]
     if new == old:
         return 0.0

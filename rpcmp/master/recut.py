@@ -38,7 +38,7 @@ import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
 from ..core.served import current
-from ..errors import JobError
+from ..errors import JobError, RpcmpError
 from ..owner import move as owner_move
 from ..plan.balance import partition_costs, units_of
 from ..plan.partition import Split, SplitAt, replan
@@ -49,15 +49,18 @@ from .sync import LocalMerge
 __all__ = ["recut", "Rebalancer"]
 
 
-def recut(pipe, cut) -> float:
+def recut(pipe, cut, copy_of: bool = False) -> float:
     """Re-cut ``pipe`` as ``cut``: a balance for a ``Split`` (``[3, 3, 2]``), the points for a ``SplitAt``
-    (``SplitAt("h.2", "h.4")`` or the names); the seconds it took. See [Note: re-cutting a pipeline]."""
+    (``SplitAt("h.2", "h.4")`` or the names); the seconds it took. See [Note: re-cutting a pipeline].
+    ``copy_of``: ``pipe`` is a copy of a replicated pipeline whose every copy is re-cut alike
+    (:meth:`rpcmp.master.replicas.Replicated.recut`)."""
     old_specs, kind = pipe.specs, pipe.specs[0].kind
     if kind not in ("slice", "traced"):
         raise JobError(f"recut: only a Split or a SplitAt pipeline can be re-cut (a cut that can move); this job's "
                        f"stages are {type(pipe.job.stages).__name__}")
-    if not isinstance(pipe.sync, LocalMerge):
-        raise JobError("recut: a pipeline with replicas cannot be re-cut yet")
+    if not copy_of and not isinstance(pipe.sync, LocalMerge):
+        raise JobError("recut: this pipeline is one copy of a replicated one: re-cut it with Replicated.recut(cut), "
+                       "which re-cuts every copy alike")
     _check_cut(old_specs, cut)
     start = time.perf_counter()
     if kind == "traced":  # the owners trace the new cut while the master does: a build then finds its trace
@@ -75,7 +78,15 @@ def recut(pipe, cut) -> float:
     pipe.pid, pipe.specs = current().next_pipeline_id(), specs
     owners = list(pipe.owners)
     wait_all([rpc.rpc_async(owners[k], owner_move.rekey, args=(old_pid, pipe.pid, k)) for k in range(len(specs)) if same[k]])
-    built = build_many(pipe, {k: pipe.places[k] for k in range(len(specs)) if not same[k]}, owners)
+    try:
+        built = build_many(pipe, {k: pipe.places[k] for k in range(len(specs)) if not same[k]}, owners)
+    except Exception:  # an owner could not build its new part: the pipeline stays as it was cut
+        wait_all([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(pipe.pid, k)) for k in range(len(specs))
+                  if not same[k]])
+        wait_all([rpc.rpc_async(owners[k], owner_move.rekey, args=(pipe.pid, old_pid, k)) for k in range(len(specs))
+                  if same[k]])
+        pipe.pid, pipe.specs = old_pid, old_specs
+        raise
     aliases = _aliases(pipe.job)
     wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
                             args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims, aliases))
@@ -122,6 +133,7 @@ class Rebalancer:
 
     def __init__(self, pipe, warmup: int = 5, window: int = 5, gain: float = 0.05):
         self.pipe, self.warmup, self.window, self.gain = pipe, warmup, window, gain
+        self.measured = getattr(pipe, "pipes", [pipe])[0]  # with replicas, the first copy: they work alike
         stages = pipe.job.stages
         self.units = units_of(meta_model(pipe.job), None if isinstance(stages, Split) else pipe.specs[0].cut)
         self.had = {self.balance}
@@ -137,11 +149,11 @@ class Rebalancer:
         if step < self.warmup:
             return None
         if self.since is None:
-            self.since = (step, self.pipe.stats())
+            self.since = (step, self.measured.stats())
             return None
         if step - self.since[0] < self.window:
             return None
-        busy = _busy(self.since[1], self.pipe.stats(), self.pipe.owners)
+        busy = _busy(self.since[1], self.measured.stats(), self.measured.owners)
         self.since = None
         balance, now, then = self.propose(busy)
         if balance is None:
@@ -149,8 +161,13 @@ class Rebalancer:
                             f"slowest stage {self.gain:.0%} faster ({now:.3f} s of work per window)")
             return None
         before = self.balance
-        took = recut(self.pipe, self.units.cut(balance))
         self.had.add(balance)
+        try:
+            took = self.pipe.recut(self.units.cut(balance))
+        except RpcmpError as exc:  # the pipeline is as it was: training goes on with it
+            self.decided = (f"kept balance {list(before)} after step {step}: the re-cut to {list(balance)} failed: "
+                            f"{str(exc).splitlines()[0][:300]}")
+            return self.decided
         self.decided = (f"re-cut after step {step}: balance {list(before)} -> {list(balance)}{self._at(balance)} "
                         f"(slowest stage predicted "
                         f"{then:.3f} s of work per window instead of {now:.3f} s) in {took:.2f} s")

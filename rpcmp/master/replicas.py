@@ -36,17 +36,24 @@ run]); the ranks learn each other's nodes through the launch's store before RPC 
 from __future__ import annotations
 
 import threading
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
 import torch.utils._pytree as pytree
 
 from ..core import health
+from ..core.futures import wait_all
 from ..core.microbatch import batch_size
+from ..core.served import current
 from ..errors import JobError
+from ..owner import live
 from ..plan.placement import Place
 from ..plan.topology import Topology
+from . import move, recut
 from .sync import ReplicaReduce
 
 __all__ = ["ReplicaSync", "Replicated", "pipeline_for", "shard", "unshard"]
@@ -101,6 +108,9 @@ def unshard(parts: list[Any]) -> Any:
     return pytree.tree_map(weave, *parts)
 
 
+_REGROUPED = False  # this master has given stages' copies groups of their own (a move, a lost copy's rebuild)
+
+
 def _first(name: str) -> property:
     return property(lambda self: getattr(self.pipes[0], name), doc=f"The first copy's ``{name}`` (every copy holds the same).")
 
@@ -125,6 +135,52 @@ class Replicated:
         self.status = self.pipes[0].status
         self.label_stages()
         self.taken: list[int] = []
+        if _REGROUPED:  # the launch's groups no longer pair this grid's processes: pair them again
+            self.regroup(list(range(len(specs))))
+
+    def move_stage(self, index: int, target: str, replica: int = 0) -> float:
+        """Move stage ``index`` of copy ``replica`` to process ``target`` between two steps (as
+        :func:`rpcmp.master.move.move_stage` does for one pipeline), and give the stage's copies a new
+        process group to average in; the seconds it took."""
+        if not 0 <= replica < self.copies:
+            raise JobError(f"move_stage: the pipeline has replicas 0..{self.copies - 1}, not {replica}")
+        process = str(target).partition("/")[0]
+        others = [i for i, p in enumerate(self.pipes) if i != replica and process in p.owners]
+        if others:
+            raise JobError(f"move_stage: {process} holds stages of replica {others[0]}; a process holds the stages of "
+                           f"one copy (each averages with its copies in a group of its own): move to a spare")
+        start = time.perf_counter()
+        if move.move_stage(self.pipes[replica], index, target, copy_of=True) == 0.0:
+            return 0.0
+        self.regroup([index])
+        self.label_stages()
+        return time.perf_counter() - start
+
+    def recut(self, cut) -> float:
+        """Re-cut every copy alike between two steps (:func:`rpcmp.master.recut.recut`); the seconds it took.
+        A re-cut moves layers, not stages: the copies of stage k stay on their processes and average in the
+        group they had. One copy after the other: the master traces a ``SplitAt``'s new cut once."""
+        start = time.perf_counter()
+        if not any([recut.recut(p, cut, copy_of=True) for p in self.pipes]):
+            return 0.0
+        self.label_stages()
+        return time.perf_counter() - start
+
+    def regroup(self, stages: list[int]) -> None:
+        """The copies of each stage in ``stages`` average in a new process group, met through the launch's
+        store under a prefix of its own: ``new_group`` over the world would wait for every rank of it, a lost
+        one too (see [Note: recovery from a live copy] in rpcmp/master/livecopy.py). The world's processes
+        then hold groups other than the launch made: a later pipeline of this world makes its own."""
+        global _REGROUPED
+        _REGROUPED = True
+        seconds = max(60.0, self.job.hang_timeout or 0)
+        futs, tag = [], uuid.uuid4().hex  # a prefix no other group of this store has used
+        for k in stages:
+            prefix = f"rpcmp/regroup/{current().attempt}/{tag}/{k}/"
+            futs += [rpc.rpc_async(p.owners[k], live.regroup, args=(k, prefix, i, self.copies, p.places[k].device,
+                                                                   seconds))
+                     for i, p in enumerate(self.pipes)]
+        wait_all(futs)
 
     def label_stages(self) -> None:
         """What failure messages say each process holds, from where the copies' stages are now."""

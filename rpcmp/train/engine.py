@@ -87,7 +87,7 @@ class PipelineEngine:
         self.live = LiveCopies(pipe, self.spares) if self.spares and self.replicated else None
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
-        self.rebalancer = Rebalancer(pipe) if job.rebalance and not self.replicated else None  # rpcmp/master/recut.py
+        self.rebalancer = Rebalancer(pipe) if job.rebalance else None  # rpcmp/master/recut.py
         self._prepare_spares()
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
@@ -147,8 +147,6 @@ class PipelineEngine:
     def _measure(self, control, number: int, nonce: str) -> str | None:
         """``rpcmp rebalance``: measure once from the next step on and re-cut if it pays (answered by :meth:`_once`)."""
         try:
-            if self.replicated:
-                raise JobError("a pipeline with replicas cannot be re-cut yet")
             check_movable(self.job.stages)
             self.oneoff = (Rebalancer(self.pipe, warmup=0), number, nonce)
         except (JobError, PartitionError) as exc:
@@ -167,13 +165,14 @@ class PipelineEngine:
 
     def _drain(self, control, number: int, rank: int, nonce: str) -> str:
         """Move every stage of ``rank`` to a spare and let the process go (see [Note: draining a rank])."""
-        pipe, name = self.pipe, process_name(rank)
+        name = process_name(rank)
+        copies = self.pipe.pipes if self.replicated else [self.pipe]
+        r = next((i for i, p in enumerate(copies) if name in p.owners), 0)
+        pipe = copies[r]
         held = [k for k, o in enumerate(pipe.owners) if o == name]
         why = None
         if rank == 0:
             why = "the master cannot be drained"
-        elif self.replicated:
-            why = "a pipeline with replicas cannot move stages yet"
         elif name not in self.spares and not held:
             why = f"{name} is not a process of this job (or has left it)"
         elif held and not self.spares:
@@ -186,8 +185,10 @@ class PipelineEngine:
             text = f"drained {name}: a spare, it held no stage; it leaves the run"
         else:
             spare = self.spares.pop(0)
-            took = sum(pipe.move_stage(k, f"{spare}/{pipe.places[k].device}") for k in held)
-            text = (f"drained {name}: stage {', '.join(str(k) for k in held)} moved to {spare} in {took:.2f} s; "
+            move = (lambda k, to: self.pipe.move_stage(k, to, replica=r)) if self.replicated else pipe.move_stage
+            took = sum(move(k, f"{spare}/{pipe.places[k].device}") for k in held)
+            what = f"replica {r} stage" if self.replicated else "stage"
+            text = (f"drained {name}: {what} {', '.join(str(k) for k in held)} moved to {spare} in {took:.2f} s; "
                     f"{name} leaves the run")
         current().lost.add(name)
         rpc.rpc_sync(name, owner_move.leave_soon, args=(0,))

@@ -94,3 +94,69 @@ def test_a_run_with_a_move_equals_an_uninterrupted_run(job, world, k):
     assert len(runs["refused"]) == 2 * len(OPTIMIZERS)
     assert "'worker99' is not a process of this run" in runs["refused"][0]
     assert "not 3" in runs["refused"][1] or "not 2" in runs["refused"][1]
+
+
+class _Control:
+    """A `rpcmp drain` request as the engine sees it (rpcmp.launch.drain.DrainRequests), answers kept."""
+
+    def __init__(self, *requests):
+        self.requests, self.answers = list(requests), []
+
+    def pending(self):
+        out, self.requests = self.requests, []
+        return out
+
+    def answer(self, number, nonce, ok, message):
+        self.answers.append((number, ok, message))
+
+
+def _replicated_runs(job, world_size: int):
+    from rpcmp.master.replicas import pipeline_for
+    from rpcmp.train.engine import make_engine
+    spare, out = f"worker{world_size - 1}", {}
+    for move in (False, True):
+        _same_rng(world_size)
+        rep = pipeline_for(job, world_size)
+        old, losses = rep.pipes[1].owners[1], []
+        for step, (x, y) in enumerate(_data(job)):
+            if move and step == MOVE_AT:
+                try:  # the other copy's owner of the stage: refused, nothing changes
+                    rep.move_stage(1, rep.pipes[0].owners[1], replica=1)
+                except JobError as exc:
+                    out["refused"] = str(exc)
+                out["took"] = rep.move_stage(1, f"{spare}/cpu", replica=1)
+            if move and step == MOVE_AT + 1:  # and every copy re-cut: stages keep their processes and groups
+                out["recut"] = rep.recut([4, 4]), [s.name for s in rep.specs]
+            losses.append(rep.train_step(x, y).item())
+        out[move] = (losses, rep.state_dict(), rep.optimizer_state(), [list(p.owners) for p in rep.pipes],
+                     rpc.rpc_sync(old, _stages_here))
+        rep.close()
+    _same_rng(world_size)
+    engine, data = make_engine(job, world_size), _data(job)  # a drain as `rpcmp drain` asks for it
+    drained = engine.pipe.pipes[1].owners[0]
+    control = current().control = _Control((1, "drain", int(drained.removeprefix("worker")), "n"))
+    for step, (x, y) in enumerate(data):
+        engine.train_step([(x, y)])
+        engine.after_step(step + 1, (0, step + 1))
+    out["drained"] = (drained, control.answers, engine.pipe.state_dict(), [list(p.owners) for p in engine.pipe.pipes])
+    engine.pipe.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_s_stage_moved_or_drained_to_a_spare_or_re_cut_trains_the_same_model():
+    # Split([3, 5]) x 2 copies on worker1-4, worker5 and worker6 spares; each move regroups the stage's copies.
+    runs = run_ranks("replicated", 7, _replicated_runs, overrides={"spares": 2}, timeout=240)
+    still, moved = runs[False], runs[True]
+    assert moved[3][1][1] == "worker6" and still[3][1][1] != "worker6" and moved[3][0] == still[3][0]
+    assert moved[4] == 0 and still[4] == 1  # the old owner let the stage go
+    assert runs["took"] > 0 and "holds stages of replica 0" in runs["refused"], runs.get("refused")
+    assert runs["recut"][0] > 0 and runs["recut"][1] == ["layers[0:4]", "layers[4:8]"]
+    assert moved[0] == still[0]  # losses: the copies met and averaged in the new group
+    _equal(moved[1], still[1])
+    _equal(moved[2], still[2])
+    drained, answers, state, owners = runs["drained"]
+    (number, ok, said), = answers
+    assert ok and said.startswith(f"drained {drained}: replica 1 stage 0 moved to worker5"), said
+    assert owners[1][0] == "worker5"
+    _equal(state, still[1])

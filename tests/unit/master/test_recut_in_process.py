@@ -53,3 +53,24 @@ def test_a_cut_that_does_not_fit_is_refused_saying_what_fits(job):
     with pytest.raises(JobError, match=r"expected 2 positive layer counts adding up to 7, got \[3, 3\]"):
         pipe.recut([3, 3])
     pipe.close()
+
+
+def test_a_re_cut_whose_build_fails_leaves_the_pipeline_as_it_was(job, monkeypatch):
+    import rpcmp.owner.stage as owner_stage
+    data = batches(3)
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, data)
+    pipe = rpcmp.Pipeline(job, world_size=1)  # Split([3, 4])
+    losses = [pipe.train_step(*data[0]).item()]
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no room for the new part")
+    monkeypatch.setattr(owner_stage, "build_empty", fails)
+    with pytest.raises(rpcmp.errors.StageError, match="no room for the new part"):
+        pipe.recut([4, 3])
+    monkeypatch.undo()
+    assert [s.name for s in pipe.specs] == ["layers[0:3]", "layers[3:7]"]
+    losses += [pipe.train_step(x, y).item() for x, y in data[1:]]
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(pipe.state_dict(), ref_state)
+    pipe.close()
