@@ -76,3 +76,18 @@ def metric_steps(path) -> int:
         return sum(1 for line in open(path) if json.loads(line).get("kind") == "step")
     except (OSError, ValueError):  # not written yet, or a line being written
         return 0
+
+
+class Control:
+    """What `rpcmp drain` / `rpcmp rebalance` requests look like to the engine (rpcmp.launch.drain.DrainRequests):
+    ``Control((number, "drain", rank, nonce), ...)`` as ``current().control``; the answers are kept."""
+
+    def __init__(self, *requests):
+        self.requests, self.answers = list(requests), []
+
+    def pending(self):
+        out, self.requests = self.requests, []
+        return out
+
+    def answer(self, number, nonce, ok, message):
+        self.answers.append((number, ok, message))

@@ -189,11 +189,8 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
         # Builds of two stages on one process run on two RPC threads: each seeds the global RNG and
         # draws its initial weights from it, so they must not interleave.
         served = current()
-        # A build while training (a move, a re-cut, a rebuild on a spare) seeds to draw the unsplit model's values,
-        # which the stage then overwrites: the process's generators, which this process's other stages draw their
-        # dropout masks from, must come out as they went in.
-        keep = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []) \
-            if options.get("empty") else contextlib.nullcontext()
+        # A build while training (move, re-cut, spare) seeds to build; the generators other stages here draw from stay.
+        keep = torch.random.fork_rng([device.index or 0] if device.type == "cuda" else []) if options.get("empty") else contextlib.nullcontext()
         with served.build_lock, keep:
             module = build_empty(served.job, spec, device) if options.get("empty") else None
             if module is None:

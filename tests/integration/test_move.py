@@ -11,7 +11,7 @@ import torch.distributed.rpc as rpc
 
 import rpcmp
 from rpcmp.errors import JobError, PlacementError
-from helpers import run_ranks
+from helpers import Control, run_ranks
 from rpcmp.core.served import current
 from rpcmp.owner import state as stage_state
 
@@ -96,20 +96,6 @@ def test_a_run_with_a_move_equals_an_uninterrupted_run(job, world, k):
     assert "not 3" in runs["refused"][1] or "not 2" in runs["refused"][1]
 
 
-class _Control:
-    """A `rpcmp drain` request as the engine sees it (rpcmp.launch.drain.DrainRequests), answers kept."""
-
-    def __init__(self, *requests):
-        self.requests, self.answers = list(requests), []
-
-    def pending(self):
-        out, self.requests = self.requests, []
-        return out
-
-    def answer(self, number, nonce, ok, message):
-        self.answers.append((number, ok, message))
-
-
 def _replicated_runs(job, world_size: int):
     from rpcmp.master.replicas import pipeline_for
     from rpcmp.train.engine import make_engine
@@ -134,7 +120,7 @@ def _replicated_runs(job, world_size: int):
     _same_rng(world_size)
     engine, data = make_engine(job, world_size), _data(job)  # a drain as `rpcmp drain` asks for it
     drained = engine.pipe.pipes[1].owners[0]
-    control = current().control = _Control((1, "drain", int(drained.removeprefix("worker")), "n"))
+    control = current().control = Control((1, "drain", int(drained.removeprefix("worker")), "n"))
     for step, (x, y) in enumerate(data):
         engine.train_step([(x, y)])
         engine.after_step(step + 1, (0, step + 1))

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import rpcmp
-from helpers import assert_close_f32, batches, train_reference
+from helpers import Control, assert_close_f32, batches, train_reference
 from rpcmp.core.served import current, serve
 from rpcmp.errors import JobError
 from rpcmp.train.ddp import DDPEngine
@@ -41,23 +41,9 @@ def test_the_pipeline_engine_accumulates_batches_as_one_step_over_their_concaten
     engine.pipe.close()
 
 
-class _Control:
-    """What `rpcmp drain` / `rpcmp rebalance` requests look like to the engine (rpcmp.launch.drain.DrainRequests)."""
-
-    def __init__(self, *requests):
-        self.requests, self.answers = list(requests), []
-
-    def pending(self):
-        out, self.requests = self.requests, []
-        return out
-
-    def answer(self, number, nonce, ok, message):
-        self.answers.append((number, ok, message))
-
-
 def test_drain_requests_it_cannot_carry_out_are_refused_by_name_and_training_goes_on(job):
     engine = PipelineEngine(rpcmp.Pipeline(job, world_size=1), job)
-    control = current().control = _Control((1, "drain", 0, "a"), (2, "drain", 7, "b"))
+    control = current().control = Control((1, "drain", 0, "a"), (2, "drain", 7, "b"))
     x, y = batches(1)[0]
     engine.train_step([(x, y)])
     note = engine.after_step(1, (0, 1))
@@ -73,7 +59,7 @@ def test_a_rebalance_request_for_stages_that_cannot_move_is_refused(job):
     named = dataclasses.replace(job, stages=[["0", "1", "2"], ["3", "4", "5", "6"]])
     serve(named)  # an owner builds its stage from the job its process serves
     engine = PipelineEngine(rpcmp.Pipeline(named, world_size=1), named)
-    control = current().control = _Control((1, "rebalance", 0, "a"))
+    control = current().control = Control((1, "rebalance", 0, "a"))
     engine.after_step(1, (0, 1))
     (number, done, said), = control.answers
     assert (number, done) == (1, False) and said.startswith("not re-cut: Job.rebalance re-cuts a Split") and "list" in said
