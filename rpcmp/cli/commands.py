@@ -124,7 +124,7 @@ def _control(master: str, rank: int, token_file, timeout: float, action: str) ->
 @click.option("--token-file", type=click.Path(dir_okay=False, readable=False), help="The shared job token (or env RPCMP_TOKEN).")
 @click.option("--timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for the master's answer.")
 def rebalance(master, token_file, timeout):
-    """Measure the stages of a running daemon job once and re-cut it if that pays (a Split pipeline)."""
+    """Measure the stages of a running daemon job once and re-cut it if that pays (a Split or SplitAt pipeline)."""
     _control(master, 0, token_file, timeout, "rebalance")
 
 

@@ -44,7 +44,7 @@ def job_options(fn):
         click.option("--init-from", type=click.Path(dir_okay=False),
                      help="Initial values from a state_dict file; each owner reads its own keys (Job.init_from)."),
         click.option("--rebalance", is_flag=True, default=None,
-                     help="Pipeline mode, Split stages: re-cut while training when the stages' measured work is uneven."),
+                     help="Pipeline mode, Split or SplitAt stages: re-cut while training when the stages' measured work is uneven."),
         click.option("--spares", type=int, help="Pipeline mode: the last K processes hold no stage and take over a lost one."),
         click.option("--snapshot-every", type=int,
                      help="With --spares: steps between in-memory snapshots a lost stage is rebuilt from."),
