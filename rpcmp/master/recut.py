@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import torch
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
@@ -67,7 +68,9 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
         points = tuple(cut.points if isinstance(cut, SplitAt) else cut)
         for owner in set(pipe.owners) - {current().me}:
             rpc.rpc_async(owner, owner_move.prepare, args=(dataclasses.replace(old_specs[0], cut=points),))
-    specs = replan(pipe.job, old_specs, cut)
+    with torch.random.fork_rng(devices=[]):  # planning builds the model (seeded): a stage here draws on as it did
+        specs = replan(pipe.job, old_specs, cut)
+        aliases = _aliases(pipe.job)
     if len(specs) != len(old_specs):
         raise JobError(f"recut: {cut!r} gives {len(specs)} stages; this pipeline has {len(old_specs)} owners")
     # A traced stage that keeps its bounds may send its values on to other stages than before: all are built again.
@@ -87,7 +90,6 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
                   if same[k]])
         pipe.pid, pipe.specs = old_pid, old_specs
         raise
-    aliases = _aliases(pipe.job)
     wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
                             args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims, aliases))
               for k in built])
@@ -135,7 +137,8 @@ class Rebalancer:
         self.pipe, self.warmup, self.window, self.gain = pipe, warmup, window, gain
         self.measured = getattr(pipe, "pipes", [pipe])[0]  # with replicas, the first copy: they work alike
         stages = pipe.job.stages
-        self.units = units_of(meta_model(pipe.job), None if isinstance(stages, Split) else pipe.specs[0].cut)
+        with torch.random.fork_rng(devices=[]):  # see recut
+            self.units = units_of(meta_model(pipe.job), None if isinstance(stages, Split) else pipe.specs[0].cut)
         self.had = {self.balance}
         self.since: tuple[int, list[dict]] | None = None
         self.decided: str | None = None  # what the last window decided

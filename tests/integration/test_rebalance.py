@@ -62,3 +62,30 @@ def test_rebalance_re_cuts_an_uneven_split_by_itself_and_trains_the_same_model(t
     after = [tuple(map(int, b.split(", "))) for _, b in cuts]
     assert max(after[-1]) <= 4 and len(set(after)) == len(after) and (1, 5, 2) not in after  # never back
     assert_close_f32(load_checkpoint(str(tmp_path / "moved"))["model"], load_checkpoint(str(tmp_path / "plain"))["model"])
+
+
+def _dropout_recuts(job, world_size):
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(5)]
+    runs = []
+    for cut in (False, True):
+        torch.manual_seed(11)  # the master's generator: its stage's masks
+        pipe = rpcmp.Pipeline(job, world_size)
+        losses = []
+        for step, (x, y) in enumerate(data):
+            if cut and step == 2:
+                pipe.recut([2, 5])  # the ReLU moves; each dropout stays on its process
+            losses.append(pipe.train_step(x, y).item())
+        runs.append((losses, pipe.state_dict()))
+        pipe.close()
+    return runs
+
+
+@pytest.mark.timeout(300)
+def test_a_re_cut_leaves_each_process_s_dropout_masks_as_they_would_be():
+    # Planning and building the new cut seed to draw the model's values; the master (stage 1 here) and the
+    # owner must get their generators back as they were, or every later mask changes.
+    (l0, s0), (l1, s1) = run_ranks("dropout", 2, _dropout_recuts, overrides={"placement": ["worker1/cpu", "master/cpu"]},
+                                   timeout=240)
+    assert l1 == l0
+    assert all(torch.equal(s1[k], v) for k, v in s0.items())

@@ -74,3 +74,4 @@ def test_a_re_cut_whose_build_fails_leaves_the_pipeline_as_it_was(job, monkeypat
     assert_close_f32(losses, ref_losses)
     assert_close_f32(pipe.state_dict(), ref_state)
     pipe.close()
+
