@@ -42,12 +42,13 @@ _COUNTERS = ("compute_s", "runs", "bytes_in", "bytes_out", "events")
 
 
 def prepare(spec) -> None:
-    """A spare, while it waits: trace the model of a traced split now (``spec``: any of its stages), so that taking
-    over a lost or drained stage later costs a build, not a trace as well (seconds: 5 s of a 5 s recovery for a
-    small GPT-2). A failure here says nothing: the build that needs the trace reports it."""
+    """A spare, while it waits (or an owner, while the master plans a re-cut): trace the model of a traced
+    split now (``spec``: any of its stages), so that taking over a lost or drained stage later costs a build,
+    not a trace as well (seconds: 5 s of a 5 s recovery for a small GPT-2). A failure here says nothing: the
+    build that needs the trace reports it."""
     served = current()
-    try:
-        with served.build_lock:
+    try:  # tracing builds the model, seeded: this process's generators come out as they went in
+        with served.build_lock, torch.random.fork_rng(devices=[]):
             warm_trace(served.job, spec)
     except Exception:  # noqa: BLE001 - see the docstring
         pass
