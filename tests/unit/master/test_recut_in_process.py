@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 import rpcmp
 from helpers import assert_close_f32, batches, train_reference
@@ -75,3 +76,44 @@ def test_a_re_cut_whose_build_fails_leaves_the_pipeline_as_it_was(job, monkeypat
     assert_close_f32(pipe.state_dict(), ref_state)
     pipe.close()
 
+
+
+class _Blocks(nn.Module):
+    """Four blocks, the second's and the fourth's first weight one parameter, a head forward never uses and a
+    non-persistent buffer every block reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out, self.unused = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 3)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4))
+        self.blocks[3][0].weight = self.blocks[1][0].weight
+        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x) * self.scale + x
+        return self.out(x)
+
+
+def test_a_re_cut_that_joins_and_parts_a_tied_pair_keeps_it_one_parameter(job):
+    # SplitAt("blocks.2") -> "blocks.1": the second stage holds both names of the tied weight, under one
+    # (a module's parameters are named once); -> "blocks.2" again: each stage takes it by its own name,
+    # found under the other. The unused head and the buffer travel too.
+    tied = dataclasses.replace(job, model=_Blocks, stages=rpcmp.SplitAt("blocks.2"), optimizer=(torch.optim.Adam, {"lr": 0.01}))
+    serve(tied)
+    data = batches(5)
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(tied.model(), tied.optimizer, tied.loss, data)
+    pipe = rpcmp.Pipeline(tied, world_size=1)
+    losses = []
+    for step, (x, y) in enumerate(data):
+        if step in (2, 3):
+            pipe.recut(["blocks.1"] if step == 2 else ["blocks.2"])
+        losses.append(pipe.train_step(x, y).item())
+    state = pipe.state_dict()
+    assert sorted(state) == sorted(ref_state)
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(state, ref_state)
+    assert torch.equal(state["blocks.1.0.weight"], state["blocks.3.0.weight"])
+    pipe.close()
