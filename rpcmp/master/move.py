@@ -41,12 +41,15 @@ def parse_target(target: str) -> Place:
     return Place(process, device or "cpu")
 
 
-def move_stage(pipe, index: int, target: str, copy_of: bool = False) -> float:
+def move_stage(pipe, index: int, target: str, copy_of: bool = False, replica: int = 0) -> float:
     """Move stage ``index`` of ``pipe`` to ``target`` (see [Note: moving a stage]); the seconds it took.
     ``copy_of``: ``pipe`` is a copy of a replicated pipeline, whose caller gives the stage's copies a
-    new process group after (:meth:`rpcmp.master.replicas.Replicated.move_stage`)."""
+    new process group after (:meth:`rpcmp.master.replicas.Replicated.move_stage`); otherwise
+    ``replica`` can only be 0, the one copy."""
     if not 0 <= index < len(pipe.specs):
         raise JobError(f"move_stage: the pipeline has stages 0..{len(pipe.specs) - 1}, not {index}")
+    if replica and not copy_of:
+        raise JobError(f"move_stage: this pipeline has no replicas (replica 0 only), not replica {replica}")
     if not copy_of and not isinstance(pipe.sync, LocalMerge):
         raise JobError("move_stage: this pipeline is one copy of a replicated one: move its stages with "
                        "Replicated.move_stage(index, target, replica), which regroups the stage's copies")

@@ -373,9 +373,9 @@ class Pipeline(PipelineState):
     def stats(self) -> list[dict[str, float]]:
         return self._each(stage.stats)
 
-    def move_stage(self, index: int, target: str) -> float:
-        """Move stage ``index`` to process ``target`` (``"worker4/cpu"``) between steps (rpcmp.master.move); seconds."""
-        return move.move_stage(self, index, target)
+    def move_stage(self, index: int, target: str, replica: int = 0) -> float:
+        """Move stage ``index`` to ``target`` (``"worker4/cpu"``) between steps (rpcmp.master.move; ``replica``: 0, the one copy); seconds."""
+        return move.move_stage(self, index, target, replica=replica)
 
     def recut(self, balance: list[int]) -> float:
         """Re-cut a ``Split`` pipeline into ``balance`` between two steps (rpcmp.master.recut); seconds."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import torch
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
@@ -43,7 +42,7 @@ from ..errors import JobError, RpcmpError
 from ..owner import move as owner_move
 from ..plan.balance import partition_costs, units_of
 from ..plan.partition import Split, SplitAt, replan
-from ..plan.materialize import meta_model
+from ..plan.materialize import meta_model, tensor_names
 from .move import build_many, install, new_optimizer
 from .sync import LocalMerge
 
@@ -62,15 +61,12 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
     if not copy_of and not isinstance(pipe.sync, LocalMerge):
         raise JobError("recut: this pipeline is one copy of a replicated one: re-cut it with Replicated.recut(cut), "
                        "which re-cuts every copy alike")
-    _check_cut(old_specs, cut)
+    cut = _checked(old_specs, cut)
     start = time.perf_counter()
     if kind == "traced":  # the owners trace the new cut while the master does: a build then finds its trace
-        points = tuple(cut.points if isinstance(cut, SplitAt) else cut)
         for owner in set(pipe.owners) - {current().me}:
-            rpc.rpc_async(owner, owner_move.prepare, args=(dataclasses.replace(old_specs[0], cut=points),))
-    with torch.random.fork_rng(devices=[]):  # planning builds the model (seeded): a stage here draws on as it did
-        specs = replan(pipe.job, old_specs, cut)
-        aliases = _aliases(pipe.job)
+            rpc.rpc_async(owner, owner_move.prepare, args=(dataclasses.replace(old_specs[0], cut=cut),))
+    specs = replan(pipe.job, old_specs, cut)
     if len(specs) != len(old_specs):
         raise JobError(f"recut: {cut!r} gives {len(specs)} stages; this pipeline has {len(old_specs)} owners")
     # A traced stage that keeps its bounds may send its values on to other stages than before: all are built again.
@@ -91,7 +87,8 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
         pipe.pid, pipe.specs = old_pid, old_specs
         raise
     wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
-                            args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims, aliases))
+                            args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims,
+                                  _aliases(pipe.job)))
               for k in built])
     wait_all([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(old_pid, k)) for k in built])
     for k, b in built.items():
@@ -100,24 +97,24 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
     return time.perf_counter() - start
 
 
-def _check_cut(specs, cut) -> None:
+def _checked(specs, cut) -> tuple[str, ...] | list[int]:
+    """``cut`` as ``replan`` takes it (the points of a traced split, the balance of a ``Split``), or an error
+    saying what fits."""
     if specs[0].kind == "traced":
         points = cut.points if isinstance(cut, SplitAt) else cut
         if isinstance(points, str) or not all(isinstance(p, str) for p in points) or len(points) != len(specs) - 1:
             raise JobError(f"recut: expected {len(specs) - 1} split points (submodule names, as SplitAt takes them: "
                            f"{list(specs[0].cut)} now), got {cut!r}")
-        return
+        return tuple(points)
     if isinstance(cut, SplitAt) or len(cut) != len(specs) or sum(cut) != specs[0].total or min(cut) < 1:
         raise JobError(f"recut: expected {len(specs)} positive layer counts adding up to {specs[0].total}, got {cut!r}")
+    return [int(b) for b in cut]
 
 
 def _aliases(job) -> dict[str, tuple[str, ...]]:
     """Each name of a parameter the model holds under several names (a tied head) -> all of its names:
     a stage may hold it under a name its old holder did not."""
-    names: dict[int, list[str]] = {}
-    for name, p in meta_model(job).named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n: tuple(group) for group in names.values() if len(group) > 1 for n in group}
+    return {n: tuple(group) for group in tensor_names(meta_model(job)).values() if len(group) > 1 for n in group}
 
 
 def _sources(old_specs, spec, owners: list[str]) -> dict[str, list[int]]:
@@ -137,8 +134,7 @@ class Rebalancer:
         self.pipe, self.warmup, self.window, self.gain = pipe, warmup, window, gain
         self.measured = getattr(pipe, "pipes", [pipe])[0]  # with replicas, the first copy: they work alike
         stages = pipe.job.stages
-        with torch.random.fork_rng(devices=[]):  # see recut
-            self.units = units_of(meta_model(pipe.job), None if isinstance(stages, Split) else pipe.specs[0].cut)
+        self.units = units_of(meta_model(pipe.job), None if isinstance(stages, Split) else pipe.specs[0].cut)
         self.had = {self.balance}
         self.since: tuple[int, list[dict]] | None = None
         self.decided: str | None = None  # what the last window decided

@@ -47,8 +47,8 @@ def prepare(spec) -> None:
     not a trace as well (seconds: 5 s of a 5 s recovery for a small GPT-2). A failure here says nothing: the
     build that needs the trace reports it."""
     served = current()
-    try:  # tracing builds the model, seeded: this process's generators come out as they went in
-        with served.build_lock, torch.random.fork_rng(devices=[]):
+    try:
+        with served.build_lock:
             warm_trace(served.job, spec)
     except Exception:  # noqa: BLE001 - see the docstring
         pass

@@ -217,7 +217,14 @@ def _hook(module, name, tensor):
 
 def _record(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]:
     """Step 1: the model on the meta device and, for each registration in order, the final
-    names of the registered tensor (none if it was replaced later), its shape and dtype."""
+    names of the registered tensor (none if it was replaced later), its shape and dtype. The
+    construction seeds (``job.seed``) and may draw; the process's generators come out as they went
+    in, so that planning or tracing while training leaves the masks a stage here draws alone."""
+    with torch.random.fork_rng(devices=[]):
+        return _record_seeded(job)
+
+
+def _record_seeded(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]:
     order: list[torch.Tensor] = []
 
     def note(t):

@@ -185,8 +185,7 @@ class PipelineEngine:
             text = f"drained {name}: a spare, it held no stage; it leaves the run"
         else:
             spare = self.spares.pop(0)
-            move = (lambda k, to: self.pipe.move_stage(k, to, replica=r)) if self.replicated else pipe.move_stage
-            took = sum(move(k, f"{spare}/{pipe.places[k].device}") for k in held)
+            took = sum(self.pipe.move_stage(k, f"{spare}/{pipe.places[k].device}", replica=r) for k in held)
             what = f"replica {r} stage" if self.replicated else "stage"
             text = (f"drained {name}: {what} {', '.join(str(k) for k in held)} moved to {spare} in {took:.2f} s; "
                     f"{name} leaves the run")
