@@ -9,6 +9,7 @@ merge order. See [Note: one context per micro-batch] in :mod:`rpcmp.master.pipel
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +21,7 @@ from ..plan.schedule import Loss, Plan, make_plan
 from ..plan.lengths import check_sizes
 from ..errors import StepCancelled
 
-__all__ = ["run_step", "Steppable"]
+__all__ = ["run_step", "check_mean_loss", "Steppable"]
 
 
 class Steppable(Protocol):
@@ -34,12 +35,12 @@ class Steppable(Protocol):
     optimizer: Any  # None: no optimizer step (evaluation-only pipelines)
     sync: Any  # rpcmp.master.sync.LocalMerge or ReplicaReduce
     loss_checked: bool
+    schedule: str
 
     def micro_threads(self, count: int) -> Any: ...  # a thread pool for per-micro-batch drivers
     def next_seqs(self, count: int) -> list[int]: ...
     def backward(self, ctx: int, loss: torch.Tensor) -> None: ...
     def to_fp32(self, out: Any) -> Any: ...
-    def check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None: ...
     def apply_step(self, ctx_id: int, loss: torch.Tensor) -> None: ...
     def resync(self) -> None: ...
 
@@ -49,6 +50,51 @@ def run_step(pipe: Steppable, schedule: str, x: Any, y: Any, chunks: int) -> tor
     check_sizes(pipe.specs[0].sizes, x)  # see [Note: any sequence length]
     plan = make_plan(schedule, chunks, len(pipe.specs))  # scatter refuses a batch of fewer than ``chunks`` samples
     return _MicroBatches(pipe, plan, x, y).run()
+
+
+def check_mean_loss(pipe, outs: list, ys: list, y: Any, total: torch.Tensor) -> None:
+    """Once per pipeline: warn if ``Job.loss`` is not a mean over samples (a batch-level Dice, a sum, a mean
+    over tokens that padding leaves out: ``ignore_index``), so that the micro-batches' losses, each weighted
+    by its share of the batch, do not add up to the whole batch's: the per-micro-batch schedules then train
+    on another loss than the unsplit model. The identity is tried on the outputs with noise of ``k`` times
+    their size added to micro-batch ``k``'s as well: at initialisation every token's loss is about the same, and a wrong
+    weighting hides below any tolerance (a GPT-2 with padded batches: 8e-6 of its loss); the identity of a
+    mean holds for any outputs. Costs 2 (M + 1) loss evaluations, on the first step with a finite loss."""
+    spread = [map_tensors(o, lambda t, k=k: _spread(t, k)) for k, o in enumerate(outs)]
+    weights = [batch_size(o) / sum(batch_size(p) for p in outs) for o in outs]
+    found = None
+    for tried in (outs, spread):
+        try:
+            with torch.no_grad():
+                whole = pipe.job.loss(gather(tried), y).detach().float()
+                parts = total if tried is outs else sum(pipe.job.loss(o, t).detach().float() * w
+                                                        for o, t, w in zip(tried, ys, weights))
+        except Exception:  # noqa: BLE001 - outputs that do not concatenate (0-dim ones), a loss for inputs in a range
+            continue
+        if not (torch.isfinite(whole).all() and torch.isfinite(parts).all()):
+            if tried is outs:
+                return  # a later step checks
+            continue
+        if whole.shape == parts.shape and not torch.allclose(parts.float(), whole, rtol=1e-4, atol=1e-6):
+            found = (whole, parts)
+            break
+    pipe.loss_checked = True
+    if found is not None:
+        warnings.warn(
+            f"Job.loss is not a mean over samples: on the whole batch it is {found[0].sum().item():.6g}, but the "
+            f"{len(outs)} micro-batches' losses, each weighted by its share of the batch, add up to "
+            f"{found[1].sum().item():.6g}{'' if found[1] is total else ' (on outputs made to differ by micro-batch)'}. "
+            f"schedule={pipe.schedule!r} computes the loss per micro-batch, so it trains on another loss than the "
+            f"unsplit model (a mean over tokens that ignores padding weighs each micro-batch by its own token count); "
+            f"Job(schedule='gpipe') computes it once on the whole batch", RuntimeWarning, stacklevel=5)
+
+
+def _spread(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``t`` plus noise of ``k`` times its size, from a generator of its own (the process's stay as they were)."""
+    if not k or not t.is_floating_point():
+        return t
+    noise = torch.randn(t.shape, generator=torch.Generator().manual_seed(k)).to(t.device, t.dtype)
+    return t + k * (1 + t.abs().mean()) * noise
 
 
 class _MicroBatches:
@@ -64,7 +110,7 @@ class _MicroBatches:
         # made in _threaded (a step of one micro-batch runs on the calling thread: _alone)
         self.backward_done = self.stepped = self.merged = None
         self.gathered = plan.loss is Loss.GATHERED
-        # kept once for check_loss (a loss per micro-batch), or for the loss on the gathered batch
+        # kept once for check_mean_loss (a loss per micro-batch), or for the loss on the gathered batch
         self.outs = [None] * m if self.gathered or (m > 1 and not pipe.loss_checked) else None
         self.roots: list = [None] * m  # gathered: what micro-batch i's backward starts from (see _gathered_loss)
         self.all_out = threading.Barrier(m, action=self._gathered_loss) if self.gathered else None
@@ -88,7 +134,7 @@ class _MicroBatches:
             raise min(real, key=lambda e: e[0])[1]
         total = self._total()
         if self.outs is not None and not self.gathered:
-            pipe.check_loss(self.outs, self.y, total)
+            check_mean_loss(pipe, self.outs, self.ys, self.y, total)
         return total
 
     def _alone(self) -> None:

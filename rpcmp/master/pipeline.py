@@ -33,7 +33,7 @@ add up in the same order), each owner adds its gradients into the first context'
 at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps with the
 first context. The loss of micro-batch i is weighted by its share of the batch,
 which is exact for losses that are means over samples (checked on the first step, see
-:meth:`Pipeline.check_loss`). ``schedule="gpipe"`` computes the loss once on the gathered
+:func:`rpcmp.master.executor.check_mean_loss`). ``schedule="gpipe"`` computes the loss once on the gathered
 output: exact for any loss (a batch-level Dice), with less overlap; each backward starts
 from its part of that loss's gradient and is merged as above (one context shared by the M
 summed them in the order they reached each owner: another rounding each run). Figures: benchmarks/PERFORMANCE.md.
@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -138,7 +137,7 @@ class Pipeline(PipelineState):
         self.nonfinite = NonFinite(job.nonfinite)
         self.gradients = GradientPolicy(job.precision == "fp16", job.clip_grad_norm)
         self.fields = StageFields((cls, kwargs), job.scheduler, self._write_fields)  # see [Note: schedulers in pipeline mode]
-        self.loss_checked = False  # see check_loss
+        self.loss_checked = False  # see executor.check_mean_loss
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
     @staticmethod
@@ -185,29 +184,6 @@ class Pipeline(PipelineState):
             self._threads.shutdown(wait=False)
             self._threads = ThreadPoolExecutor(count, thread_name_prefix="rpcmp-micro")
         return self._threads
-
-    def check_loss(self, outs: list, y: Any, total: torch.Tensor) -> None:
-        """Once per pipeline: warn if the micro-batches' weighted losses do not add up to the
-        loss of the whole batch, i.e. ``Job.loss`` is not a mean over samples (a batch-level
-        Dice, a sum): the per-micro-batch schedules then train on another loss than the
-        unsplit model. Costs one more loss evaluation, on the first step with a finite loss."""
-        try:
-            with torch.no_grad():
-                whole = self.job.loss(gather(outs), y).detach().float()
-        except Exception:  # noqa: BLE001 - outputs that do not concatenate (0-dim ones): nothing to compare
-            whole = None
-        if whole is not None and not (torch.isfinite(whole).all() and torch.isfinite(total).all()):
-            return  # a later step checks
-        self.loss_checked = True
-        if whole is None or whole.shape != total.shape:
-            return
-        if not torch.allclose(total.float(), whole, rtol=1e-4, atol=1e-6):
-            warnings.warn(
-                f"Job.loss is not a mean over samples: on the whole batch it is {whole.sum().item():.6g}, but the "
-                f"{len(outs)} micro-batches' losses, each weighted by its share of the batch, add up to "
-                f"{total.sum().item():.6g}. schedule={self.schedule!r} computes the loss per micro-batch, so it trains "
-                f"on another loss than the unsplit model; Job(schedule='gpipe') computes it once on the whole batch",
-                RuntimeWarning, stacklevel=4)
 
     def backward(self, ctx: int, loss: torch.Tensor) -> None:
         """``dist_autograd.backward``, with a failure on another process named by its stages."""

@@ -38,6 +38,12 @@ them (:class:`_Route`). A model that does fix its batch size is traced with stat
 and refused by :func:`check_any_batch_size` before any process starts. Export cannot make a
 dimension of size 1 dynamic, so a one-sample micro-batch is traced as two.
 
+[Note: the model's output, as the model returns it]
+pipelining's split graph returns the model's outputs flattened: a Hugging Face model's
+``CausalLMOutput`` arrived as its one tensor and a 1-tuple as its item, so ``Job.loss`` written
+for the unsplit model (``out.logits``) failed on the split one. The export's output spec is kept
+(``pipe.rpcmp_out_spec``) and the last stage rebuilds the model's own structure from it.
+
 Dimension 1 (tokens, time) is traced as dynamic too: see [Note: any sequence length] in
 :mod:`rpcmp.plan.lengths`.
 """
@@ -127,29 +133,35 @@ def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
     from torch.distributed.pipelining import pipeline
     from torch.distributed.pipelining._IR import Pipe
     try:
-        with _dynamic_batch(Pipe):
-            return pipeline(model, mb_args=(sample,), split_spec=spec)
+        with _exporting(Pipe, dynamic=True) as out_specs:
+            pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
     except Exception:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
         for point in split.points:  # pipeline() leaves the split points' forward wrapped
             for attr in ("forward", "_orig_forward"):
                 model.get_submodule(point).__dict__.pop(attr, None)
-        return pipeline(model, mb_args=(sample,), split_spec=spec)
+        with _exporting(Pipe, dynamic=False) as out_specs:
+            pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
+    pipe.rpcmp_out_spec = out_specs[-1]  # see [Note: the model's output, as the model returns it]
+    return pipe
 
 
 @contextlib.contextmanager
-def _dynamic_batch(pipe_cls):
+def _exporting(pipe_cls, dynamic: bool):
     """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
-    input dynamic instead (see [Note: any batch size])."""
-    plain = pipe_cls.__dict__["_trace_with_export"]
+    input dynamic instead (see [Note: any batch size]), and keep the structure of the model's output,
+    which pipelining's split graph flattens (yielded: the exports' output specs)."""
+    plain, out_specs = pipe_cls.__dict__["_trace_with_export"], []
 
     def trace(mod, example_args, example_kwargs=None):
         batch = torch.export.Dim("batch")
         shapes = pytree.tree_map(lambda t: _dims(t, batch) if isinstance(t, torch.Tensor) and t.dim() else None,
-                                 example_args)
-        return torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
+                                 example_args) if dynamic else None
+        exported = torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
+        out_specs.append(exported.call_spec.out_spec)
+        return exported
     pipe_cls._trace_with_export = staticmethod(trace)
     try:
-        yield
+        yield out_specs
     finally:
         pipe_cls._trace_with_export = plain
 
@@ -184,8 +196,9 @@ class _Route:
     mail, and returns its chain value, or ``(value, {stage: {name: tensor}})`` when it posts.
     """
 
-    def __init__(self, forward, route: dict, first: bool, last: bool, sizes: set[str]):
+    def __init__(self, forward, route: dict, first: bool, last: bool, sizes: set[str], out_spec=None):
         self.forward, self.first, self.last, self.sizes = forward, first, last, sizes
+        self.out_spec = out_spec if last and out_spec is not None and out_spec.num_leaves == len(route["chain_out"]) else None
         self.module, self.eval_forward = None, None  # see [Note: a traced stage in eval mode]
         self.chain_in, self.mail_in, self.args = route["chain_in"], route["mail_in"], route["args"]
         self.produced, self.chain_out, self.posts = route["produced"], route["chain_out"], route["posts"]
@@ -204,6 +217,8 @@ class _Route:
         for name, index in self.produced.items():
             values[name] = out if index is None else out[index]
         out = tuple(_wire(values[n]) for n in self.chain_out)
+        if self.out_spec is not None:
+            return pytree.tree_unflatten(list(out), self.out_spec)
         out = out[0] if len(out) == 1 and (self.last or len(self.chain_out) == 1) else out
         if not self.posts:
             return out
@@ -323,7 +338,8 @@ def stage_module(pipe, index: int, module: nn.Module | None = None) -> nn.Module
     """Stage ``index`` of the traced ``pipe`` (or ``module``, a :func:`graph_copy` of it), callable with one
     argument as every rpcmp stage is (see :class:`_Route`)."""
     module = _graph_module(pipe, index) if module is None else module
-    module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe))
+    module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe),
+                            getattr(pipe, "rpcmp_out_spec", None))
     return module
 
 

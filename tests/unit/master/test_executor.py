@@ -4,6 +4,7 @@ out of order. Real distributed-autograd contexts (the one-process RPC world of c
 no stage, no owner: the chain is a future that a timer completes."""
 import random
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 
 from rpcmp.errors import StepCancelled
 from rpcmp.master import executor, inbox
+from rpcmp.master.executor import check_mean_loss
 from rpcmp.master.sync import LocalMerge
 from rpcmp.plan.schedule import make_plan
 
@@ -34,7 +36,7 @@ class FakePipe:
                  grad: bool = False):
         self.pid, self.job = 7, SimpleNamespace(loss=lambda out, y: ((out - y) ** 2).mean())
         self.specs, self.places = [SimpleNamespace(sizes=())] * stages, [SimpleNamespace(process="first")]
-        self.owners, self.optimizer, self.loss_checked = ["first"] * stages, object(), True
+        self.owners, self.optimizer, self.loss_checked, self.schedule = ["first"] * stages, object(), True, "overlap"
         self.events, self.lock, self.fail, self.rng = [], threading.Lock(), fail, random.Random(seed)
         self.sync, self.seq, self.abandoned, self.resyncs = _Recorder(self.events), 0, [], 0
         self.in_flight = self.most_in_flight = 0
@@ -82,9 +84,6 @@ class FakePipe:
 
     def to_fp32(self, out):
         return out
-
-    def check_loss(self, outs, y, total):
-        pass
 
     def apply_step(self, ctx_id, loss):
         self.events.append(("step", ctx_id, loss.item()))
@@ -185,3 +184,44 @@ def test_a_batch_smaller_than_the_micro_batch_count_is_refused(fake):
     x, y = _batch(3)
     with pytest.raises(Exception, match="micro"):
         executor.run_step(pipe, "overlap", x, y, 4)
+
+
+def _checked(loss, outs, ys):
+    """check_mean_loss on a pipe that has only what it reads; the warnings it gave."""
+    pipe = SimpleNamespace(job=SimpleNamespace(loss=loss), schedule="overlap", loss_checked=False)
+    y = torch.cat(ys)
+    total = sum(loss(o, t) * (len(o) / len(y)) for o, t in zip(outs, ys))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        check_mean_loss(pipe, outs, ys, y, total)
+    return pipe.loss_checked, [str(w.message) for w in seen]
+
+
+def _token_mean(out, y):  # a language model's loss: a mean over the tokens that padding leaves in
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+def test_a_loss_that_is_a_mean_over_samples_passes_and_other_losses_are_flagged():
+    g = torch.Generator().manual_seed(0)
+    outs, ys = [torch.randn(4, 3, generator=g) for _ in range(2)], [torch.randn(4, 3, generator=g) for _ in range(2)]
+    assert _checked(lambda o, y: ((o - y) ** 2).mean(), outs, ys) == (True, [])
+    checked, said = _checked(lambda o, y: ((o - y) ** 2).sum(), outs, ys)
+    assert checked and len(said) == 1 and "schedule='gpipe'" in said[0]
+    # a mean over tokens with padding left out, at initialisation (every token's loss the same, log V): the
+    # micro-batches' weighted losses add up to the whole batch's (to rounding), yet the weighting is wrong
+    outs = [torch.zeros(4, 6, 10), torch.zeros(4, 6, 10)]
+    ys = [torch.randint(0, 10, (4, 6), generator=g) for _ in range(2)]
+    ys[0][:, 2:] = -100  # the first micro-batch's sequences are short
+    whole = _token_mean(torch.cat(outs), torch.cat(ys))
+    torch.testing.assert_close(whole, (_token_mean(outs[0], ys[0]) + _token_mean(outs[1], ys[1])) / 2)
+    checked, said = _checked(_token_mean, outs, ys)
+    assert checked and len(said) == 1 and "outputs made to differ by micro-batch" in said[0], said
+
+
+def test_a_mean_loss_defined_only_for_probabilities_is_not_flagged_and_a_non_finite_one_waits():
+    g = torch.Generator().manual_seed(1)
+    outs = [torch.rand(4, 3, generator=g) for _ in range(2)]  # probabilities: scaled by 2 they leave [0, 1]
+    ys = [(torch.rand(4, 3, generator=g) > 0.5).float() for _ in range(2)]
+    assert _checked(torch.nn.functional.binary_cross_entropy, outs, ys) == (True, [])
+    outs[1][0, 0] = float("nan")
+    assert _checked(lambda o, y: ((o - y) ** 2).mean(), outs, ys) == (False, [])  # a later step checks

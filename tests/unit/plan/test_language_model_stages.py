@@ -256,3 +256,34 @@ def test_a_tensor_forward_makes_from_python_values_is_refused_naming_the_module_
     with pytest.raises(rpcmp.PartitionError, match=r"SplitAt: _ListIndex's forward makes a tensor from Python values .*lifted_tensor"
                                                    r".*read by aten.index.Tensor.*x\[..., -2:-1\]"):
         plan_stages(job, torch.zeros(2, 4))
+
+
+class _Raw(nn.Module):
+    """A Hugging Face model as its users call it: a dict batch with a padding mask, its ModelOutput back."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        self.m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=4, n_head=4, resid_pdrop=0.0,
+                                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+
+    def forward(self, batch):
+        return self.m(**batch)
+
+
+def test_a_padded_dict_batch_reaches_the_stages_and_the_model_output_comes_back_as_the_model_returns_it():
+    job = rpcmp.Job(model=_Raw, stages=rpcmp.SplitAt("m.transformer.h.1", "m.transformer.h.3"), microbatches=2)
+    g = torch.Generator().manual_seed(3)
+
+    def batch(n, t):
+        lengths = torch.randint(2, t + 1, (n,), generator=g)
+        return {"input_ids": torch.randint(0, 64, (n, t), generator=g),
+                "attention_mask": (torch.arange(t) < lengths[:, None]).long()}
+    stages = [build_stage(job, s) for s in plan_stages(job, batch(4, 12))]
+    torch.manual_seed(job.seed)
+    model = _Raw()
+    x = batch(5, 12)
+    got, want = run_stages(stages, x), model(x)
+    assert type(got) is type(want) and list(got) == ["logits"], (type(got), list(got))
+    torch.testing.assert_close(got.logits, want.logits)  # the mask reached the attention of every stage
+    assert not torch.allclose(want.logits, model({"input_ids": x["input_ids"]}).logits)

@@ -138,6 +138,33 @@ def test_several_inputs_and_outputs_travel_through_the_cut():
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("shape", ["model_output", "dict", "one_tuple", "tensor"])
+def test_the_last_stage_returns_the_output_as_the_model_returns_it(shape):
+    """pipelining's split graph flattens the model's output; a loss written for the unsplit model
+    (``out.logits``, ``out["aux"]``, ``out[0]``) must read the split one alike."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            logits = self.c(torch.relu(self.b(self.a(x))))
+            return {"model_output": lambda: CausalLMOutput(logits=logits), "dict": lambda: {"logits": logits, "aux": x.sum(1)},
+                    "one_tuple": lambda: (logits,), "tensor": lambda: logits}[shape]()
+
+    job = rpcmp.Job(model=Heads, stages=rpcmp.SplitAt("b", "c"), microbatches=2)
+    stages = [build_stage(job, s) for s in plan_stages(job, torch.randn(4, 8))]
+    torch.manual_seed(job.seed)
+    model = Heads()
+    x = torch.randn(5, 8)
+    got, want = run_stages(stages, x), model(x)
+    assert type(got) is type(want), (type(got), type(want))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("family", ["mobilenet_v3_small"])
 def test_a_traced_stage_in_eval_mode_runs_the_eval_graph(family):
     """Traced in train mode, BatchNorm would keep normalising with batch statistics (and updating the

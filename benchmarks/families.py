@@ -1,0 +1,153 @@
+"""Hugging Face model families built from their configs, cut at their blocks, trained as the unsplit model.
+
+    .venv/bin/python benchmarks/families.py                  # every family below
+    .venv/bin/python benchmarks/families.py qwen2 opt        # some of them
+
+For each family: a 4-block model from a tiny config, its batches a dict of ``input_ids`` and a padding
+``attention_mask``, its loss reading the model's own output (``out.logits``), ``SplitAt`` before blocks 1
+and 3 on 4 processes (the master and three owners), ``schedule="gpipe"`` (the loss, a mean over the
+tokens padding leaves in, is not a mean over samples); one AdamW step, a re-cut before block 2 instead
+of 1, two more steps, then eval-mode predictions. Losses, every parameter and the predictions are
+compared with the unsplit model trained on the same batches in this process, at float32 tolerance.
+Dropout is off: a layer draws its masks from its own process's generator. This file is also the job
+each launch loads (``FAMILY`` in the environment says which).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import transformers as T
+from torch import nn
+
+import rpcmp
+
+V = 64
+_KW = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
+FAMILIES = {  # name: (config, model, config arguments, the blocks' container)
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(vocab_size=V, n_positions=64, n_embd=32, n_layer=4, n_head=4,
+             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False), "transformer.h"),
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, _KW, "model.layers"),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, _KW, "model.layers"),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(_KW, head_dim=8, tie_word_embeddings=True), "model.layers"),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(_KW, sliding_window=8), "model.layers"),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(_KW, head_dim=8), "model.layers"),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(_KW, head_dim=8, sliding_window=8), "model.layers"),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(_KW, pad_token_id=0), "model.layers"),
+    "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(vocab_size=V, hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64, use_cache=False),
+                 "gpt_neox.layers"),
+    "opt": (T.OPTConfig, T.OPTForCausalLM, dict(vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=4,
+            num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.0, use_cache=False),
+            "model.decoder.layers"),
+    "bloom": (T.BloomConfig, T.BloomForCausalLM, dict(vocab_size=V, hidden_size=32, n_layer=4, n_head=4,
+              use_cache=False), "transformer.h"),
+    "falcon": (T.FalconConfig, T.FalconForCausalLM, dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
+               num_attention_heads=4, use_cache=False), "transformer.h"),
+    "gptj": (T.GPTJConfig, T.GPTJForCausalLM, dict(vocab_size=V, n_embd=32, n_layer=4, n_head=4, rotary_dim=4,
+             n_positions=64, use_cache=False), "transformer.h"),
+    "bert": (T.BertConfig, T.BertForMaskedLM, dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
+             num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+             attention_probs_dropout_prob=0.0), "bert.encoder.layer"),
+}
+FAMILY = os.environ.get("FAMILY", "gpt2")
+
+
+class Model(nn.Module):
+    """The model as its users call it: ``self.m(**batch)``, its ModelOutput back."""
+
+    def __init__(self):
+        super().__init__()
+        config, model, kwargs, _ = FAMILIES[FAMILY]
+        self.m = model(config(**kwargs))
+
+    def forward(self, batch):
+        return self.m(**batch)
+
+
+def batches(steps: int = 3, size: int = 8, length: int = 16) -> list:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, V, (size, length + 1), generator=g)
+        mask = (torch.arange(length) < torch.randint(4, length + 1, (size, 1), generator=g)).long()
+        out.append(({"input_ids": ids[:, :-1], "attention_mask": mask}, ids[:, 1:].masked_fill(mask == 0, -100)))
+    return out
+
+
+def loss(out, y):
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+_BLOCKS = "m." + FAMILIES[FAMILY][3]
+job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(f"{_BLOCKS}.1", f"{_BLOCKS}.3"), batch_size=8, microbatches=4,
+                schedule="gpipe", loss=loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6}), threads=1)
+
+
+def _split_run(job, world):
+    data = batches()
+    pipe = rpcmp.Pipeline(job, world, sample=data[0][0])
+    losses = [pipe.train_step(*data[0]).item()]
+    pipe.recut(rpcmp.SplitAt(f"{_BLOCKS}.2", f"{_BLOCKS}.3"))
+    losses += [pipe.train_step(x, y).item() for x, y in data[1:]]
+    pipe.eval()
+    out = losses, pipe.state_dict(), pipe.predict(data[0][0]).logits
+    pipe.close()
+    return out
+
+
+def _unsplit_run():
+    torch.set_num_threads(1)
+    torch.manual_seed(job.seed)
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), **job.optimizer[1])
+    losses = []
+    for x, y in batches():
+        opt.zero_grad()
+        value = loss(model(x), y)
+        value.backward()
+        opt.step()
+        losses.append(value.item())
+    model.eval()
+    with torch.no_grad():
+        return losses, model.state_dict(), model(batches()[0][0]).logits
+
+
+def check(family: str) -> str:
+    """One family in fresh processes: 'equal', or what differs."""
+    import subprocess
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import families, torch\n"
+            "from rpcmp.launch.local import launch_local\n"
+            "split = launch_local(families.__file__, 4, families._split_run, timeout=400, master_in_process=False)\n"
+            "whole = families._unsplit_run()\n"
+            "try:\n"
+            "    for a, b in zip(split, whole):\n"
+            "        torch.testing.assert_close(a if not isinstance(a, list) else torch.tensor(a, dtype=torch.float32),\n"
+            "                                   b if not isinstance(b, list) else torch.tensor(b, dtype=torch.float32))\n"
+            "    print('RESULT equal')\n"
+            "except AssertionError as e:\n"
+            "    print('RESULT differs:', str(e).splitlines()[0])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FAMILY": family})
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if found:
+        return found[-1].removeprefix("RESULT ")
+    return "failed: " + (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+
+
+if __name__ == "__main__":
+    names = sys.argv[1:] or list(FAMILIES)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        sys.exit(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+    bad = 0
+    for name in names:
+        start = time.time()
+        result = check(name)
+        bad += result != "equal"
+        print(f"{name:10s} {result}  ({time.time() - start:.0f} s)", flush=True)
+    sys.exit(1 if bad else 0)
