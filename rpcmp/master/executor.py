@@ -19,7 +19,7 @@ from . import inbox
 from ..core.microbatch import batch_size, gather, has_tensors, map_tensors, scatter, tensors
 from ..plan.schedule import Loss, Plan, make_plan
 from ..plan.lengths import check_sizes
-from ..errors import StepCancelled
+from ..errors import JobError, StepCancelled
 
 __all__ = ["run_step", "check_mean_loss", "Steppable"]
 
@@ -52,16 +52,27 @@ def run_step(pipe: Steppable, schedule: str, x: Any, y: Any, chunks: int) -> tor
     return _MicroBatches(pipe, plan, x, y).run()
 
 
-def check_mean_loss(pipe, outs: list, ys: list, y: Any, total: torch.Tensor) -> None:
+def check_mean_loss(pipe, outs: list, ys: list, weights: list[float], y: Any, total: torch.Tensor) -> None:
     """Once per pipeline: warn if ``Job.loss`` is not a mean over samples (a batch-level Dice, a sum, a mean
     over tokens that padding leaves out: ``ignore_index``), so that the micro-batches' losses, each weighted
     by its share of the batch, do not add up to the whole batch's: the per-micro-batch schedules then train
     on another loss than the unsplit model. The identity is tried on the outputs with noise of ``k`` times
     their size added to micro-batch ``k``'s as well: at initialisation every token's loss is about the same, and a wrong
     weighting hides below any tolerance (a GPT-2 with padded batches: 8e-6 of its loss); the identity of a
-    mean holds for any outputs. Costs 2 (M + 1) loss evaluations, on the first step with a finite loss."""
+    mean holds for any outputs. Costs 2 (M + 1) loss evaluations, on the first step with a finite loss.
+    ``weights``: each micro-batch's share of the batch."""
+    if any(t.dim() == 0 for o in outs for t in tensors(o)):
+        pipe.loss_checked = True
+        warnings.warn(
+            f"the model's output holds a 0-dimensional tensor (a loss the model computes itself, as a Hugging Face "
+            f"model given labels does), so rpcmp cannot check that Job.loss is a mean over samples. "
+            f"schedule={pipe.schedule!r} weighs each micro-batch's loss by its share of the samples: the unsplit "
+            f"model's loss when it is a mean over samples, another one when it is not (a mean over tokens that "
+            f"ignores padding). To be exact for any loss, leave the labels out of the model's input, pass them as y, "
+            f"compute the loss in Job.loss from the outputs (out.logits) and use Job(schedule='gpipe')",
+            RuntimeWarning, stacklevel=5)
+        return
     spread = [map_tensors(o, lambda t, k=k: _spread(t, k)) for k, o in enumerate(outs)]
-    weights = [batch_size(o) / sum(batch_size(p) for p in outs) for o in outs]
     found = None
     for tried in (outs, spread):
         try:
@@ -134,7 +145,7 @@ class _MicroBatches:
             raise min(real, key=lambda e: e[0])[1]
         total = self._total()
         if self.outs is not None and not self.gathered:
-            check_mean_loss(pipe, self.outs, self.ys, self.y, total)
+            check_mean_loss(pipe, self.outs, self.ys, [batch_size(x) / self.n for x in self.xs], self.y, total)
         return total
 
     def _alone(self) -> None:
@@ -228,6 +239,13 @@ class _MicroBatches:
         plan's order: the same numbers every run (in one shared context the M gradients were summed
         in the order the backward passes happened to reach each owner)."""
         leaves = [map_tensors(o, lambda t: t.detach().requires_grad_(t.is_floating_point())) for o in self.outs]
+        if any(t.dim() == 0 for t in tensors(leaves)):
+            raise JobError(
+                "schedule='gpipe' computes the loss once on the micro-batches' outputs gathered, but the model's "
+                "output holds a 0-dimensional tensor (a loss the model computes itself, as a Hugging Face model given "
+                "labels does): it has no batch dimension to gather. Leave the labels out of the model's input, pass "
+                "them as y and compute the loss in Job.loss from the outputs (out.logits), or use "
+                "schedule='overlap' (the loss per micro-batch, weighted by its share of the samples)")
         loss = self.pipe.job.loss(gather(leaves), self.y)
         pairs = [[(o, d) for o, d in zip(tensors(out), tensors(leaf)) if d.requires_grad]
                  for out, leaf in zip(self.outs, leaves)]

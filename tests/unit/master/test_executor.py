@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rpcmp.errors import StepCancelled
+from rpcmp.errors import JobError, StepCancelled
 from rpcmp.master import executor, inbox
 from rpcmp.master.executor import check_mean_loss
 from rpcmp.master.sync import LocalMerge
@@ -33,7 +33,7 @@ class FakePipe:
     output is ``2 * x``, answered after a random delay from another thread."""
 
     def __init__(self, stages: int, fail: set[int] = frozenset(), seed: int = 0, delays: dict | None = None,
-                 grad: bool = False):
+                 grad: bool = False, output=lambda x: 2 * x):
         self.pid, self.job = 7, SimpleNamespace(loss=lambda out, y: ((out - y) ** 2).mean())
         self.specs, self.places = [SimpleNamespace(sizes=())] * stages, [SimpleNamespace(process="first")]
         self.owners, self.optimizer, self.loss_checked, self.schedule = ["first"] * stages, object(), True, "overlap"
@@ -42,7 +42,7 @@ class FakePipe:
         self.in_flight = self.most_in_flight = 0
         self.local = threading.local()
         self.delays, self.cancelled = delays or {}, set()
-        self.grad, self.outs, self.grads = grad, {}, {}  # grad: outputs are leaves; backward records their gradient
+        self.grad, self.outs, self.grads, self.output = grad, {}, {}, output  # grad: outputs are leaves; backward records their gradient
 
     def cancel(self, seqs):
         """inbox.cancel: the owners fail what has not started on them (rpcmp.owner.admission.InOrder.cancel)."""
@@ -70,7 +70,7 @@ class FakePipe:
             elif i in self.cancelled:
                 fut.set_exception(StepCancelled(f"stage 1: micro-batch {i} not run, its step failed elsewhere"))
             else:
-                self.outs[i] = (2 * x).requires_grad_(self.grad)
+                self.outs[i] = self.output(x.requires_grad_(self.grad))
                 fut.set_result(self.outs[i])
         threading.Timer(self.delays.get(i, self.rng.uniform(0, 0.02)), answer).start()
         return fut
@@ -193,7 +193,7 @@ def _checked(loss, outs, ys):
     total = sum(loss(o, t) * (len(o) / len(y)) for o, t in zip(outs, ys))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        check_mean_loss(pipe, outs, ys, y, total)
+        check_mean_loss(pipe, outs, ys, [len(o) / len(y) for o in outs], y, total)
     return pipe.loss_checked, [str(w.message) for w in seen]
 
 
@@ -225,3 +225,20 @@ def test_a_mean_loss_defined_only_for_probabilities_is_not_flagged_and_a_non_fin
     assert _checked(torch.nn.functional.binary_cross_entropy, outs, ys) == (True, [])
     outs[1][0, 0] = float("nan")
     assert _checked(lambda o, y: ((o - y) ** 2).mean(), outs, ys) == (False, [])  # a later step checks
+
+
+def test_a_loss_the_model_computes_itself_is_refused_by_gpipe_and_said_unchecked_by_overlap(fake):
+    """A Hugging Face model given labels returns its loss, 0-dimensional: nothing to gather (gpipe), and
+    nothing to check a mean over samples on (overlap)."""
+    x, y = _batch(8)
+    pipe = fake(2, output=lambda x: {"loss": (2 * x).pow(2).mean(), "logits": 2 * x})
+    pipe.job.loss = lambda out, y: out["loss"]
+    with pytest.raises(JobError, match="0-dimensional tensor .* Leave the labels out of the model's input"):
+        executor.run_step(pipe, "gpipe", x, y, 4)
+    pipe.loss_checked = False
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        executor.run_step(pipe, "overlap", x, y, 4)
+        executor.run_step(pipe, "overlap", x, y, 4)
+    said = [str(w.message) for w in seen if "0-dimensional" in str(w.message)]
+    assert len(said) == 1 and "cannot check that Job.loss is a mean over samples" in said[0], said
