@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import copy
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -114,6 +115,7 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
         tops = [n for n, _ in model.named_children()]
         raise PartitionError(f"SplitAt: {type(model).__name__} has no submodule {missing}; its children, in order: {tops} "
                              f"(deeper ones by qualified name, e.g. '{tops[0]}.<child>')" if tops else "")
+    _check_one_argument(model, sample)
     spec = {p: SplitPoint.BEGINNING for p in split.points} or None
     # export cannot make a dimension of size 1 dynamic: trace a one-sample micro-batch as two
     sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
@@ -127,6 +129,21 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
             f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}. Data-dependent control flow "
             f"(an `if` on a tensor's values) cannot be traced: use torch.cond, move it into one stage's module and "
             f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
+
+
+def _check_one_argument(model: nn.Module, sample: Any) -> None:
+    """Refuse a dict batch whose keys are the model's own arguments (a Hugging Face model's ``input_ids``,
+    ``attention_mask``): rpcmp calls a model with the batch as one argument, so the dict would arrive as the
+    first of them and fail deep in the trace."""
+    if not isinstance(sample, dict):
+        return
+    params = inspect.signature(model.forward).parameters
+    first = next((n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
+    if first in sample and set(sample) <= set(params):
+        raise PartitionError(
+            f"the batch is a dict of {type(model).__name__}.forward's own arguments {sorted(sample)}, but rpcmp calls "
+            f"a model with the batch as one argument (model(batch)), so the dict would arrive as {first!r}. Wrap the "
+            f"model: a module whose forward(self, batch) returns self.m(**batch)")
 
 
 def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):

@@ -287,3 +287,13 @@ def test_a_padded_dict_batch_reaches_the_stages_and_the_model_output_comes_back_
     assert type(got) is type(want) and list(got) == ["logits"], (type(got), list(got))
     torch.testing.assert_close(got.logits, want.logits)  # the mask reached the attention of every stage
     assert not torch.allclose(want.logits, model({"input_ids": x["input_ids"]}).logits)
+
+
+def test_a_dict_batch_of_the_models_own_arguments_is_refused_with_the_wrapper_to_write():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    job = rpcmp.Job(model=lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                                             use_cache=False)),
+                    stages=rpcmp.SplitAt("transformer.h.1"), microbatches=2)
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    with pytest.raises(rpcmp.PartitionError, match=r"arrive as 'input_ids'\. Wrap the model: .*self\.m\(\*\*batch\)"):
+        plan_stages(job, batch)
