@@ -32,8 +32,9 @@ from .materialize import (attach_tensor, build_part, build_whole, check_material
                           tensor_names, tensor_table)
 from .graphs import forget_trace, place_graph
 from .strange import refuse_strange
+from .export import trace_split
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
-                     stage_module, trace_split)
+                     stage_module)
 from .lengths import input_sizes, require_any_length
 from ..errors import PartitionError
 

@@ -50,8 +50,6 @@ Dimension 1 (tokens, time) is traced as dynamic too: see [Note: any sequence len
 from __future__ import annotations
 
 import copy
-import contextlib
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -61,7 +59,7 @@ from torch import nn
 
 from ..errors import PartitionError
 
-__all__ = ["SplitAt", "trace_split", "stage_module", "graph_copy", "attach_eval",
+__all__ = ["SplitAt", "stage_module", "graph_copy", "attach_eval",
            "check_same_cut", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example"]
 
 
@@ -81,6 +79,9 @@ class SplitAt:
         bad = [p for p in points if not isinstance(p, str) or not p]
         if bad:
             raise PartitionError(f"SplitAt takes submodule names, e.g. SplitAt('layer2', 'layer4'), got {bad!r}")
+        twice = sorted({p for p in points if points.count(p) > 1})
+        if twice:
+            raise PartitionError(f"SplitAt names {twice} more than once: each point cuts once, e.g. SplitAt('h.2', 'h.4')")
         if lengths not in (None, "any"):
             raise PartitionError(f"SplitAt(lengths=...) takes 'any' (batches differ in dimension 1) or None "
                                  f"(the traced length), got {lengths!r}")
@@ -103,90 +104,6 @@ def from_example(example: tuple, device: str = "cpu") -> Any:
     leaves, spec = example
     return pytree.tree_unflatten([torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
                                   for shape, dtype in leaves], spec)
-
-
-def trace_split(model: nn.Module, split: SplitAt, sample: Any):
-    """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``
-    with a dynamic batch size where the model allows it (see [Note: any batch size])."""
-    from torch.distributed.pipelining import SplitPoint
-    names = {n for n, _ in model.named_modules() if n}
-    missing = [p for p in split.points if p not in names]
-    if missing:
-        tops = [n for n, _ in model.named_children()]
-        raise PartitionError(f"SplitAt: {type(model).__name__} has no submodule {missing}; its children, in order: {tops} "
-                             f"(deeper ones by qualified name, e.g. '{tops[0]}.<child>')" if tops else "")
-    _check_one_argument(model, sample)
-    spec = {p: SplitPoint.BEGINNING for p in split.points} or None
-    # export cannot make a dimension of size 1 dynamic: trace a one-sample micro-batch as two
-    sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
-                             else t, sample)
-    try:
-        return _pipeline(model, split, spec, sample)
-    except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
-        exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
-        raise PartitionError(
-            f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}. Data-dependent control flow "
-            f"(an `if` on a tensor's values) cannot be traced: use torch.cond, move it into one stage's module and "
-            f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
-
-
-def _check_one_argument(model: nn.Module, sample: Any) -> None:
-    """Refuse a dict batch whose keys are the model's own arguments (a Hugging Face model's ``input_ids``,
-    ``attention_mask``): rpcmp calls a model with the batch as one argument, so the dict would arrive as the
-    first of them and fail deep in the trace."""
-    if not isinstance(sample, dict):
-        return
-    params = inspect.signature(model.forward).parameters
-    first = next((n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
-    if first in sample and set(sample) <= set(params):
-        raise PartitionError(
-            f"the batch is a dict of {type(model).__name__}.forward's own arguments {sorted(sample)}, but rpcmp calls "
-            f"a model with the batch as one argument (model(batch)), so the dict would arrive as {first!r}. Wrap the "
-            f"model: a module whose forward(self, batch) returns self.m(**batch)")
-
-
-def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
-    from torch.distributed.pipelining import pipeline
-    from torch.distributed.pipelining._IR import Pipe
-    try:
-        with _exporting(Pipe, dynamic=True) as out_specs:
-            pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
-    except Exception:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
-        for point in split.points:  # pipeline() leaves the split points' forward wrapped
-            for attr in ("forward", "_orig_forward"):
-                model.get_submodule(point).__dict__.pop(attr, None)
-        with _exporting(Pipe, dynamic=False) as out_specs:
-            pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
-    pipe.rpcmp_out_spec = out_specs[-1]  # see [Note: the model's output, as the model returns it]
-    return pipe
-
-
-@contextlib.contextmanager
-def _exporting(pipe_cls, dynamic: bool):
-    """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
-    input dynamic instead (see [Note: any batch size]), and keep the structure of the model's output,
-    which pipelining's split graph flattens (yielded: the exports' output specs)."""
-    plain, out_specs = pipe_cls.__dict__["_trace_with_export"], []
-
-    def trace(mod, example_args, example_kwargs=None):
-        batch = torch.export.Dim("batch")
-        shapes = pytree.tree_map(lambda t: _dims(t, batch) if isinstance(t, torch.Tensor) and t.dim() else None,
-                                 example_args) if dynamic else None
-        exported = torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
-        out_specs.append(exported.call_spec.out_spec)
-        return exported
-    pipe_cls._trace_with_export = staticmethod(trace)
-    try:
-        yield out_specs
-    finally:
-        pipe_cls._trace_with_export = plain
-
-
-def _dims(t: torch.Tensor, batch) -> dict:
-    """Dimension 0 is the batch; dimension 1 (tokens, time) is dynamic where the model allows it
-    (``Dim.AUTO``: export keeps it static where the model fixes it, see [Note: any sequence length])."""
-    return {0: batch, 1: torch.export.Dim.AUTO} if t.dim() >= 2 and t.shape[1] > 1 else {0: batch}
 
 
 class _Route:

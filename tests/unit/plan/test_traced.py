@@ -8,7 +8,8 @@ import rpcmp
 from helpers import load
 from rpcmp.errors import PartitionError
 from rpcmp.plan.partition import build_stage, plan_stages
-from rpcmp.plan.traced import run_stages, trace_split
+from rpcmp.plan.export import trace_split
+from rpcmp.plan.traced import run_stages
 
 
 Classifier = load("traced_classifier").model  # forward is fc2(F.relu(fc1(x)))
@@ -135,6 +136,36 @@ def test_several_inputs_and_outputs_travel_through_the_cut():
     model = TwoHeads()
     x = {"image": torch.randn(5, 8), "meta": torch.randn(5, 3)}
     torch.testing.assert_close(run_stages(stages, x), model(x))
+
+
+class _Reused(nn.Module):
+    """``b`` is called twice, ``spare`` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.spare = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.c(self.b(self.b(self.a(x))))
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("points, said", [
+    (("c", "a"), r"reaches the points in the order \('a', 'c'\): name them in that order"),
+    (("b",), r"calls \['b'\] more than once; a split point must be a module forward calls once"),
+    (("spare",), r"never calls \['spare'\]"),
+])
+def test_split_points_are_modules_forward_calls_once_named_in_its_order(points, said):
+    """Stages are named after their points: another order named every stage wrongly, a point called twice
+    or never gave another number of stages than asked for, without a word."""
+    job = rpcmp.Job(model=_Reused, stages=rpcmp.SplitAt(*points), microbatches=2)
+    with pytest.raises(PartitionError, match=said):
+        plan_stages(job, torch.randn(4, 4))
+
+
+def test_a_split_point_named_twice_is_refused_at_once():
+    with pytest.raises(PartitionError, match=r"names \['h.2'\] more than once"):
+        rpcmp.SplitAt("h.2", "h.4", "h.2")
 
 
 @pytest.mark.model
