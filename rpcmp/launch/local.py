@@ -71,7 +71,8 @@ def _local_child(job_path, rank, world_size, port, overrides, main, results, par
             started.put((rank, f"{type(exc).__name__}: {exc}", None))
             sys.exit(1)
         try:
-            Topology.of(job, world_size)
+            if job.mode != "ddp":  # DDP: the whole model on every rank, no stages to place
+                Topology.of(job, world_size)
         except Exception as exc:  # noqa: BLE001
             started.put((rank, f"{type(exc).__name__}: {exc}", _input_mistake(exc)))
             sys.exit(1)

@@ -82,11 +82,12 @@ def test_ddp_from_the_command_line(tmp_path):
     import subprocess
     import sys
     from helpers import job_path
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rpcmp"), "run", job_path("mlp"),
+    # a job of 3 stages on 2 ranks: DDP holds the whole model on every rank, no stage is placed
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rpcmp"), "run", job_path("three"),
                            "--local", "2", "--mode", "ddp", "--max-steps", "20", "--precision", "bf16"],
                           capture_output=True, text=True, timeout=200, env={**os.environ, "COLUMNS": "160"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "DDP on 2 ranks (gloo), 4 samples per rank, accumulate 1, bf16" in proc.stdout
+    assert "DDP on 2 ranks (gloo), 8 samples per rank, accumulate 1, bf16" in proc.stdout
     assert re.search(r"steps 20\s+loss", proc.stdout)
 
 
