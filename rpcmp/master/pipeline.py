@@ -69,6 +69,7 @@ from torch.distributed.optim import DistributedOptimizer
 from ..core import health
 from . import inbox, move, recut, tied
 from ..owner import grads, stage
+from ..owner import move as owner_move
 from ..errors import JobError, StageError
 from ..data import needs_sample, sample_batch
 from .executor import run_step
@@ -78,7 +79,7 @@ from ..core.hparams import StageFields
 from ..plan.schedule import SCHEDULES
 from ..core.microbatch import batch_size, gather, map_tensors, scatter
 from ..plan.partition import StageSpec, plan_stages
-from ..plan.placement import Place, resolve_placement
+from ..plan.placement import Place, process_name, resolve_placement
 from ..plan.topology import stage_world
 from ..core.policy import GradientPolicy, NonFinite
 from ..core.served import RunStatus, current
@@ -117,6 +118,9 @@ class Pipeline(PipelineState):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, stage.build,
                                       args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
+        if self.specs[0].kind == "traced":  # a spare traces while the owners build: taking over a stage early in
+            for r in range(stage_world(job, world_size), world_size):  # the run then costs a build, not a trace too
+                rpc.rpc_async(process_name(r), owner_move.prepare, args=(self.specs[0],))
         # A worker lost while building is named; a stage that failed to build says so itself.
         with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
             built = wait_all(futs)

@@ -88,7 +88,6 @@ class PipelineEngine:
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
         self.rebalancer = Rebalancer(pipe) if job.rebalance else None  # rpcmp/master/recut.py
-        self._prepare_spares()
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
     def steps_per_epoch(self, n: int) -> int:
@@ -139,7 +138,8 @@ class PipelineEngine:
         return "\n".join(notes) or None
 
     def _prepare_spares(self) -> None:
-        """Each spare traces the model of a traced split, as it is cut now, while it waits."""
+        """After a re-cut, each spare traces the model of a traced split as it is cut now, while it waits (the
+        pipeline's build had them trace the first cut)."""
         if self.spares and self.pipe.specs[0].kind == "traced":
             for spare in self.spares:
                 rpc.rpc_async(spare, owner_move.prepare, args=(self.pipe.specs[0],))

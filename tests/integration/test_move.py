@@ -146,3 +146,32 @@ def test_a_replica_s_stage_moved_or_drained_to_a_spare_or_re_cut_trains_the_same
     assert ok and said.startswith(f"drained {drained}: replica 1 stage 0 moved to worker5"), said
     assert owners[1][0] == "worker5"
     _equal(state, still[1])
+
+
+def _traces_here() -> int:
+    from rpcmp.plan import partition
+    return len(partition._TRACES)
+
+
+def _spare_traced(job, world_size: int) -> tuple[int, int]:
+    """Traces the spare holds right after the pipeline was built, and once it has waited for them."""
+    import time
+    pipe = rpcmp.Pipeline(job, world_size)
+    spare = f"worker{world_size - 1}"
+    assert spare not in pipe.owners
+    right_after = rpc.rpc_sync(spare, _traces_here)
+    deadline = time.monotonic() + 60
+    while rpc.rpc_sync(spare, _traces_here) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    later = rpc.rpc_sync(spare, _traces_here)
+    pipe.close()
+    return right_after, later
+
+
+@pytest.mark.timeout(200)
+def test_a_spare_traces_a_traced_split_while_the_owners_build_it():
+    """A spare that would take over a traced stage traces the model while the owners build theirs, with no
+    step and no move asked of it: a loss early in the run then costs a build, not a trace as well (a 4-block
+    Llama lost 16 steps in: 0.25 s instead of 4.0 s, the spare's trace)."""
+    right_after, later = run_ranks("traced_classifier", 4, _spare_traced, overrides={"spares": 1}, timeout=150)
+    assert later == 1, (right_after, later)
