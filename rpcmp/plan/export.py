@@ -54,7 +54,8 @@ def _check_one_argument(model: nn.Module, sample: Any) -> None:
         return
     params = inspect.signature(model.forward).parameters
     first = next((n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)), None)
-    if first in sample and set(sample) <= set(params):
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())  # forward(self, input_ids, ..., **kwargs)
+    if first in sample and (takes_any or set(sample) <= set(params)):
         raise PartitionError(
             f"the batch is a dict of {type(model).__name__}.forward's own arguments {sorted(sample)}, but rpcmp calls "
             f"a model with the batch as one argument (model(batch)), so the dict would arrive as {first!r}. Wrap the "

@@ -294,6 +294,7 @@ def test_a_dict_batch_of_the_models_own_arguments_is_refused_with_the_wrapper_to
     job = rpcmp.Job(model=lambda: GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                                              use_cache=False)),
                     stages=rpcmp.SplitAt("transformer.h.1"), microbatches=2)
-    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "attention_mask": torch.ones(4, 8, dtype=torch.long),
+             "extra": torch.ones(4)}  # a key forward takes only through **kwargs
     with pytest.raises(rpcmp.PartitionError, match=r"arrive as 'input_ids'\. Wrap the model: .*self\.m\(\*\*batch\)"):
         plan_stages(job, batch)
