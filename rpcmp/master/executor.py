@@ -61,7 +61,7 @@ def check_mean_loss(pipe, outs: list, ys: list, weights: list[float], y: Any, to
     weighting hides below any tolerance (a GPT-2 with padded batches: 8e-6 of its loss); the identity of a
     mean holds for any outputs. Costs 2 (M + 1) loss evaluations, on the first step with a finite loss.
     ``weights``: each micro-batch's share of the batch."""
-    if any(t.dim() == 0 for o in outs for t in tensors(o)):
+    if _holds_a_loss(outs):
         pipe.loss_checked = True
         warnings.warn(
             f"the model's output holds a 0-dimensional tensor (a loss the model computes itself, as a Hugging Face "
@@ -98,6 +98,12 @@ def check_mean_loss(pipe, outs: list, ys: list, weights: list[float], y: Any, to
             f"schedule={pipe.schedule!r} computes the loss per micro-batch, so it trains on another loss than the "
             f"unsplit model (a mean over tokens that ignores padding weighs each micro-batch by its own token count); "
             f"Job(schedule='gpipe') computes it once on the whole batch", RuntimeWarning, stacklevel=5)
+
+
+def _holds_a_loss(outs: list) -> bool:
+    """Whether the micro-batches' outputs hold a 0-dimensional tensor: a loss the model computes itself (a Hugging
+    Face model given labels), with no batch dimension to gather or weigh."""
+    return any(t.dim() == 0 for o in outs for t in tensors(o))
 
 
 def _spread(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -239,7 +245,7 @@ class _MicroBatches:
         plan's order: the same numbers every run (in one shared context the M gradients were summed
         in the order the backward passes happened to reach each owner)."""
         leaves = [map_tensors(o, lambda t: t.detach().requires_grad_(t.is_floating_point())) for o in self.outs]
-        if any(t.dim() == 0 for t in tensors(leaves)):
+        if _holds_a_loss(leaves):
             raise JobError(
                 "schedule='gpipe' computes the loss once on the micro-batches' outputs gathered, but the model's "
                 "output holds a 0-dimensional tensor (a loss the model computes itself, as a Hugging Face model given "

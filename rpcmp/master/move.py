@@ -27,7 +27,7 @@ from ..owner import stage
 from ..plan.placement import Place
 from .sync import LocalMerge
 
-__all__ = ["move_stage", "parse_target", "build_on", "build_many", "install", "new_optimizer"]
+__all__ = ["move_stage", "parse_target", "build_on", "build_many", "install", "new_optimizer", "warm"]
 
 
 def parse_target(target: str) -> Place:
@@ -120,3 +120,12 @@ def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:
                                  for r in keep])
     pipe.optimizer.remote_optimizers = keep + fresh  # the old local optimizers of `changed` go with their last reference
     pipe.param_owners = sorted(holders)
+
+
+def warm(processes, spec) -> None:
+    """Have ``processes`` trace the model that ``spec`` (any stage of a traced split) was cut from while they
+    wait, or while the master plans a re-cut (:func:`rpcmp.owner.move.prepare`): a later build there is a build,
+    not a trace as well. Nothing for a stage that is not traced."""
+    if spec.kind == "traced":
+        for process in processes:
+            rpc.rpc_async(process, owner_move.prepare, args=(spec,))

@@ -69,7 +69,6 @@ from torch.distributed.optim import DistributedOptimizer
 from ..core import health
 from . import inbox, move, recut, tied
 from ..owner import grads, stage
-from ..owner import move as owner_move
 from ..errors import JobError, StageError
 from ..data import needs_sample, sample_batch
 from .executor import run_step
@@ -118,9 +117,8 @@ class Pipeline(PipelineState):
             nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
             futs.append(rpc.rpc_async(place.process, stage.build,
                                       args=(self.pid, spec, place, nxt, job.rpc_timeout, options)))
-        if self.specs[0].kind == "traced":  # a spare traces while the owners build: taking over a stage early in
-            for r in range(stage_world(job, world_size), world_size):  # the run then costs a build, not a trace too
-                rpc.rpc_async(process_name(r), owner_move.prepare, args=(self.specs[0],))
+        # a spare traces while the owners build: taking over a stage early in the run costs a build, not a trace too
+        move.warm([process_name(r) for r in range(stage_world(job, world_size), world_size)], self.specs[0])
         # A worker lost while building is named; a stage that failed to build says so itself.
         with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
             built = wait_all(futs)

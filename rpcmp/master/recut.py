@@ -43,7 +43,7 @@ from ..owner import move as owner_move
 from ..plan.balance import partition_costs, units_of
 from ..plan.partition import Split, SplitAt, replan
 from ..plan.materialize import meta_model, tensor_names
-from .move import build_many, install, new_optimizer
+from .move import build_many, install, new_optimizer, warm
 from .sync import LocalMerge
 
 __all__ = ["recut", "Rebalancer"]
@@ -64,8 +64,7 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
     cut = _checked(old_specs, cut)
     start = time.perf_counter()
     if kind == "traced":  # the owners trace the new cut while the master does: a build then finds its trace
-        for owner in set(pipe.owners) - {current().me}:
-            rpc.rpc_async(owner, owner_move.prepare, args=(dataclasses.replace(old_specs[0], cut=cut),))
+        warm(sorted(set(pipe.owners) - {current().me}), dataclasses.replace(old_specs[0], cut=cut))
     specs = replan(pipe.job, old_specs, cut)
     if len(specs) != len(old_specs):
         raise JobError(f"recut: {cut!r} gives {len(specs)} stages; this pipeline has {len(old_specs)} owners")

@@ -20,6 +20,7 @@ from ..master.livecopy import LiveCopies
 from ..master.recovery import RolledBack, Snapshots
 from ..owner import move as owner_move
 from ..plan.placement import process_name
+from ..master.move import warm
 from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
 from ..job import check_movable
@@ -131,18 +132,11 @@ class PipelineEngine:
         notes = [n for n in notes if n]
         if notes and self.rebalancer is not None:
             self.rebalancer.since = None  # stages changed place: measure afresh
-        if notes:
-            self._prepare_spares()  # a re-cut: the cut a spare would build now
+        if notes:  # a re-cut: each spare traces the cut it would build now (the pipeline's build had it trace the first)
+            warm(self.spares, self.pipe.specs[0])
         if self.snapshots is not None:
             self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
         return "\n".join(notes) or None
-
-    def _prepare_spares(self) -> None:
-        """After a re-cut, each spare traces the model of a traced split as it is cut now, while it waits (the
-        pipeline's build had them trace the first cut)."""
-        if self.spares and self.pipe.specs[0].kind == "traced":
-            for spare in self.spares:
-                rpc.rpc_async(spare, owner_move.prepare, args=(self.pipe.specs[0],))
 
     def _measure(self, control, number: int, nonce: str) -> str | None:
         """``rpcmp rebalance``: measure once from the next step on and re-cut if it pays (answered by :meth:`_once`)."""
