@@ -174,6 +174,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         # A stage's own failure leaves every process answering: leave as after success (no transport noise); a
         # process lost and replaced in place (rpcmp/master/recovery.py) takes no part in a graceful shutdown. The
         # master's choice is the workers' (a worker in a graceful shutdown the master skips waits out its timeout).
+        if rank == 0 and error is None:
+            _note_gone_at_end(served, world_size)
         graceful = served.graceful and not served.lost and (
             error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
         if rank == 0:
@@ -247,6 +249,19 @@ def serve_until_told(served, timeout: float, every: float = 2.0) -> None:
     while not served.told.wait(every):
         if unresponsive([MASTER], timeout):
             return
+
+
+def _note_gone_at_end(served, world_size: int) -> None:
+    """A worker lost after the run's last step (its checkpoint written) takes nothing from the run: it is named
+    and counted as lost, and the others leave without waiting for it (they waited out the shutdown's timeout,
+    and the local launcher called its exit a failure)."""
+    try:
+        gone = unresponsive([w for w in map(process_name, range(1, world_size)) if w not in served.lost], timeout=3.0)
+    except Exception:  # noqa: BLE001 - the agent itself may be going down: the shutdown says what it finds
+        gone = []
+    for w in gone:
+        print(f"rpcmp: {w} stopped answering after the run's last step; the run is complete", file=sys.stderr, flush=True)
+    served.lost.update(gone)
 
 
 def _tell_outcome(workers: list[str], ok: bool, graceful: bool = True) -> None:

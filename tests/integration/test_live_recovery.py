@@ -220,3 +220,33 @@ def test_an_owner_lost_in_its_optimizer_step_while_the_other_copy_steps_loses_no
     assert out.count(f"recovered: {victim} was lost") == 1, out
     assert f"no step lost (step {at} stood: replica" in out and "other stages retaken from the same copy" in out, out
     _assert_as_uninterrupted(tmp_path / "run", replicated_clean)
+
+
+def _train_then_lose_worker2(job, world_size):
+    """The run's training ends, then worker2 is SIGKILLed before the processes leave the RPC world."""
+    import torch.distributed.rpc as rpc
+    from rpcmp.train.trainer import fit
+    steps = fit(job, world_size)["steps"]
+    pid = rpc.rpc_sync("worker2", os.getpid)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # until it is gone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    return steps, pid
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("spares", [0, 1])
+def test_an_owner_lost_after_the_last_step_leaves_the_run_complete(tmp_path, spares):
+    """Its checkpoint written, the run has nothing to lose: it ends without an error and without waiting out the
+    shutdown's timeout for the lost process (the launcher called its exit a failure: 'local processes exited with
+    errors: [('worker2', -9)]', after 90 s of timeouts)."""
+    start = time.monotonic()
+    steps, _ = run_ranks("three", 4 + spares, _train_then_lose_worker2, timeout=150,
+                         overrides={"max_steps": 6, "spares": spares, "checkpoint_dir": str(tmp_path)})
+    assert steps == 6 and load_checkpoint(str(tmp_path))["step"] == 6
+    assert time.monotonic() - start < 60  # not the shutdown's 30 + 60 s of waiting for worker2
