@@ -95,7 +95,7 @@ def _split_run(job, world):
     pipe.recut(rpcmp.SplitAt(f"{_BLOCKS}.2", f"{_BLOCKS}.3"))
     losses += [pipe.train_step(x, y).item() for x, y in data[1:]]
     pipe.eval()
-    out = losses, pipe.state_dict(), pipe.predict(data[0][0]).logits
+    out = torch.tensor(losses), pipe.state_dict(), pipe.predict(data[0][0]).logits
     pipe.close()
     return out
 
@@ -114,25 +114,26 @@ def _unsplit_run():
         losses.append(value.item())
     model.eval()
     with torch.no_grad():
-        return losses, model.state_dict(), model(batches()[0][0]).logits
+        return torch.tensor(losses), model.state_dict(), model(batches()[0][0]).logits
+
+
+def _compare() -> str:
+    """This family, split in fresh processes and whole here: 'equal', or what differs."""
+    from rpcmp.launch.local import launch_local
+    split = launch_local(os.path.abspath(__file__), 4, _split_run, timeout=400, master_in_process=False)
+    whole = _unsplit_run()
+    try:
+        torch.testing.assert_close(split, whole)
+    except AssertionError as exc:
+        return "differs: " + str(exc).splitlines()[0]
+    return "equal"
 
 
 def check(family: str) -> str:
-    """One family in fresh processes: 'equal', or what differs."""
+    """One family in a fresh interpreter (its job is this file, read with ``FAMILY`` set)."""
     import subprocess
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import families, torch\n"
-            "from rpcmp.launch.local import launch_local\n"
-            "split = launch_local(families.__file__, 4, families._split_run, timeout=400, master_in_process=False)\n"
-            "whole = families._unsplit_run()\n"
-            "try:\n"
-            "    for a, b in zip(split, whole):\n"
-            "        torch.testing.assert_close(a if not isinstance(a, list) else torch.tensor(a, dtype=torch.float32),\n"
-            "                                   b if not isinstance(b, list) else torch.tensor(b, dtype=torch.float32))\n"
-            "    print('RESULT equal')\n"
-            "except AssertionError as e:\n"
-            "    print('RESULT differs:', str(e).splitlines()[0])\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "FAMILY": family})
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", family], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "FAMILY": family})
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if found:
         return found[-1].removeprefix("RESULT ")
@@ -140,6 +141,9 @@ def check(family: str) -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--one"]:
+        print("RESULT " + _compare(), flush=True)
+        sys.exit(0)
     names = sys.argv[1:] or list(FAMILIES)
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
