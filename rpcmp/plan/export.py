@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import PartitionError
+from .strange import cached_modules
 from .traced import SplitAt
 
 __all__ = ["trace_split"]
@@ -39,11 +41,28 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
         exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
         raise PartitionError(
             f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
-            f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}. Data-dependent control flow "
-            f"(an `if` on a tensor's values) cannot be traced: use torch.cond, move it into one stage's module and "
-            f"declare the stages as modules, or cut an nn.Sequential with rpcmp.Split") from None
+            f"{type(exc).__name__}: {_what_to_do(model, str(exc).strip())}") from None
     _check_reached(type(model).__name__, split, reached)
     return pipe
+
+
+def _what_to_do(model: nn.Module, error: str) -> str:
+    """The gist of the trace's ``error`` and what the user can change for it."""
+    found = re.search(r"Found <class '([\w.]+)'> in output", error)
+    if found and "Cache" in found.group(1):
+        cached = cached_modules(model)
+        where = (f"self.{cached[0]}" if cached[0] else "the model") if cached else "the model"
+        return (f"{found.group(0)}. {where} returns its key-value cache ({found.group(1).rsplit('.', 1)[-1]}: "
+                f"use_cache=True in its config), for generation: training does not read it and a pipeline cannot pass "
+                f"it between stages. Build it with use_cache=False in its config (e.g. GPT2Config(..., "
+                f"use_cache=False)) or call it with use_cache=False")
+    if found:
+        return (f"{found.group(0)}. The model's output holds a {found.group(1)}, which rpcmp cannot take apart to "
+                f"pass between stages: return tensors or tuples, lists and dicts of them, or register the class with "
+                f"torch.utils._pytree.register_pytree_node")
+    return (f"{error.splitlines()[0][:300] if error else ''}. Data-dependent control flow (an `if` on a tensor's "
+            f"values) cannot be traced: use torch.cond, move it into one stage's module and declare the stages as "
+            f"modules, or cut an nn.Sequential with rpcmp.Split")
 
 
 def _check_one_argument(model: nn.Module, sample: Any) -> None:

@@ -8,7 +8,7 @@ from .graphs import graphs
 from .materialize import attribute, tensor_table
 from ..errors import PartitionError
 
-__all__ = ["refuse_strange"]
+__all__ = ["refuse_strange", "cached_modules"]
 
 
 def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
@@ -20,7 +20,7 @@ def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
         return
     lifted = [(i, n) for i in range(pipe.num_stages) for n in sorted(held[i]) if n in strange
               and n.rpartition(".")[2].startswith("lifted_tensor") and attribute(pipe.get_stage_module(i), n).is_meta]
-    if lifted and not _cached(model):  # a key-value cache is such a tensor too: the setting to change says more
+    if lifted and not cached_modules(model):  # a key-value cache is such a tensor too: the setting to change says more
         i, name = lifted[0]
         where, _, leaf = name.rpartition(".")
         readers = sorted({str(u.target) for _, _, g in graphs(pipe.get_stage_module(i).get_submodule(where))
@@ -36,14 +36,14 @@ def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
                          f"keeps between calls, which a stage cannot hand on. {_cache_hint(model)}")
 
 
-def _cached(model: nn.Module) -> list[str]:
+def cached_modules(model: nn.Module) -> list[str]:
     """The submodules whose Hugging Face config keeps a key-value cache."""
     return [n for n, m in model.named_modules() if getattr(getattr(m, "config", None), "use_cache", False)]
 
 
 def _cache_hint(model: nn.Module) -> str:
     """The setting to change when a Hugging Face model's key-value cache is what the trace kept."""
-    cached = _cached(model)
+    cached = cached_modules(model)
     if cached:
         where = f"self.{cached[0]}" if cached[0] else "the model"
         return (f"{where} has config.use_cache=True: its key-value cache is such a tensor. Build it with "

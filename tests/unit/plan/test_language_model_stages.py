@@ -222,6 +222,38 @@ def test_a_hugging_face_cache_is_refused_with_the_setting_to_change():
         plan_stages(job, torch.zeros(4, 16, dtype=torch.long))
 
 
+class _CacheInOutput(_CachedGPT2):
+    """GPT-2 as its config comes, its whole output returned: the cache is in it."""
+
+    def forward(self, idx):
+        return self.m(idx)
+
+
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+class _OddOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _Holder(self.b(self.a(x)))
+
+
+def test_an_output_rpcmp_cannot_take_apart_is_refused_with_what_to_change():
+    job = rpcmp.Job(model=_CacheInOutput, stages=rpcmp.SplitAt("m.transformer.h.1"))
+    with pytest.raises(rpcmp.PartitionError, match=r"Found <class 'transformers.cache_utils.DynamicCache'> in output\. "
+                                                   r"self.m returns its key-value cache .*use_cache=False") as got:
+        plan_stages(job, torch.zeros(4, 16, dtype=torch.long))
+    assert "control flow" not in str(got.value)
+    job = rpcmp.Job(model=_OddOutput, stages=rpcmp.SplitAt("b"))
+    with pytest.raises(rpcmp.PartitionError, match=r"holds a .*_Holder.*register_pytree_node"):
+        plan_stages(job, torch.zeros(2, 4))
+
+
 def test_lengths_any_refuses_a_model_that_fixes_the_length_at_plan_time_naming_the_line():
     job = rpcmp.Job(model=_FixedLength, stages=rpcmp.SplitAt("blocks.1", lengths="any"))
     with pytest.raises(rpcmp.PartitionError, match=r"lengths='any'.*_FixedLength.forward takes input 0 \(4, 16\) with "
