@@ -27,6 +27,11 @@ segmentation_models_pytorch. Not exact, and documented as such: an initializatio
 kept tensor that reads the values of a tensor of another stage (it reads scratch). When
 step 1 fails on the meta device (construction code that reads a tensor's value, e.g.
 ``torch.linspace(...).item()``), step 1 runs for real with every tensor on scratch.
+A construction that converts the model at its end (``model.to(torch.bfloat16)``) is followed:
+a tensor is known by the slot it was registered in when the conversion made a new one there
+(buffers), and what a conversion makes of scratch goes to the meta device too. For that moment
+the process holds every other tensor in the new dtype, so a model too big for one process is
+better built in its dtype (``torch.set_default_dtype`` around the construction).
 
 [Note: every tensor a stage reads]
 ``state_dict()`` is not all of a module's state, and a traced stage reads more than its
@@ -212,7 +217,7 @@ def _hook(module, name, tensor):
     on_tensor = getattr(_LOCAL, "active", None)
     if on_tensor is None or tensor is None or isinstance(tensor, nn.parameter.UninitializedTensorMixin):
         return None
-    return on_tensor(tensor)
+    return on_tensor(module, name, tensor)
 
 
 def _record(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]:
@@ -225,10 +230,10 @@ def _record(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]
 
 
 def _record_seeded(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]:
-    order: list[torch.Tensor] = []
+    order: list[tuple] = []  # (module, name, tensor, its shape and dtype when registered)
 
-    def note(t):
-        order.append(t)
+    def note(module, name, t):
+        order.append((module, name, t, tuple(t.shape), t.dtype))
 
     scratch = _Scratch()
     try:
@@ -239,17 +244,32 @@ def _record_seeded(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.d
     except Exception:  # noqa: BLE001 - construction that needs real values: see the Note
         order.clear()
 
-        def on_scratch(t):
-            order.append(scratch.take(t))
-            return order[-1]
+        def on_scratch(module, name, t):
+            order.append((module, name, scratch.take(t), tuple(t.shape), t.dtype))
+            return order[-1][2]
         with _Hooks(on_scratch):
             model = _construct(job)
         scratch.release()
     # every tensor to meta, also those made on the CPU despite the meta default (``torch.Tensor(n)``)
     model = _to_meta(model, scratch, everything=True)
-    order = [scratch.meta_of.get(id(t), t) for t in order]
-    names = tensor_names(model)
-    return model, [(names.get(id(t), []), tuple(t.shape), t.dtype) for t in order]
+    return model, _final_names(model, [(m, n, scratch.meta_of.get(id(t), t), *rest) for m, n, t, *rest in order])
+
+
+def _final_names(model: nn.Module, order: list[tuple]) -> list[tuple[list[str], tuple, torch.dtype]]:
+    """For each registration, the names its tensor has in the finished ``model`` and its shape and dtype when
+    registered. A tensor is found by identity, or else in the slot it was registered in, when a conversion
+    replaced it there (``model.to(torch.bfloat16)`` in the construction makes new buffers: they are the
+    registered ones, converted); a slot that holds another registered tensor holds that one, not this."""
+    names, prefixes = tensor_names(model), {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+    registered = {id(t) for _, _, t, *_ in order}
+    out = []
+    for module, name, t, shape, dtype in order:
+        found = names.get(id(t), [])
+        now = {**module._parameters, **module._buffers}.get(name) if id(module) in prefixes else None
+        if not found and now is not None and id(now) not in registered and tuple(now.shape) == shape:
+            found = names.get(id(now), [])
+        out.append((found, shape, dtype))
+    return out
 
 
 def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
@@ -260,7 +280,7 @@ def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
     scratch = _Scratch({d: max((_numel(s) for s, dd in others if dd == d), default=0) for _, d in others})
     seen = iter(order)
 
-    def place(t):
+    def place(module, name, t):
         names, shape, dtype = next(seen, ([], None, None))
         if shape != tuple(t.shape) or dtype != t.dtype:
             raise PartitionError(
@@ -268,7 +288,11 @@ def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
                 f"time, {tuple(t.shape)}, {t.dtype} the second): the model's construction is not deterministic, so "
                 f"an owner cannot build its part alone. Build the same model for the same seed, or declare the "
                 f"stages as modules")
-        return t if any(keep(n) for n in names) else scratch.take(t)
+        if any(keep(n) for n in names):
+            scratch.slots.discard((id(module), name))  # a kept tensor replaced a scratch one there (a tied weight)
+            return t
+        scratch.slots.add((id(module), name))
+        return scratch.take(t)
 
     with _Hooks(place):
         model = _construct(job)
@@ -285,6 +309,7 @@ class _Scratch:
         self.buffers = {d: torch.empty(n, dtype=d) for d, n in (sizes or {}).items() if n}
         self.given: dict[int, torch.Tensor] = {}  # id of a scratch tensor -> it
         self.meta_of: dict[int, torch.Tensor] = {}
+        self.slots: set[tuple[int, str]] = set()  # (id of a module, name) where scratch went in
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) in self.given:  # tied: registered again under another name
@@ -308,7 +333,8 @@ def _to_meta(model: nn.Module, scratch: _Scratch, everything: bool = False) -> n
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, t in table.items():
-                if t is None or (not everything and id(t) not in scratch.given):
+                # a scratch tensor, or what a conversion (``.to(dtype)``) made of one in its slot
+                if t is None or not (everything or id(t) in scratch.given or (id(module), name) in scratch.slots):
                     continue
                 if id(t) not in done:
                     meta = torch.empty_like(t, device="meta")
@@ -316,6 +342,7 @@ def _to_meta(model: nn.Module, scratch: _Scratch, everything: bool = False) -> n
                     scratch.meta_of[id(t)] = done[id(t)]
                 table[name] = done[id(t)]
     scratch.given.clear()
+    scratch.slots.clear()
     return model
 
 
