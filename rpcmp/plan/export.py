@@ -5,6 +5,7 @@ export can answer: the batch is the model's one argument, each point is called o
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import re
 from typing import Any
@@ -27,9 +28,7 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     names = {n for n, _ in model.named_modules() if n}
     missing = [p for p in split.points if p not in names]
     if missing:
-        tops = [n for n, _ in model.named_children()]
-        raise PartitionError(f"SplitAt: {type(model).__name__} has no submodule {missing}; its children, in order: {tops} "
-                             f"(deeper ones by qualified name, e.g. '{tops[0]}.<child>')" if tops else "")
+        raise PartitionError(f"SplitAt: {type(model).__name__} has no submodule {missing}: {_nearest(model, missing[0])}")
     _check_one_argument(model, sample)
     spec = {p: SplitPoint.BEGINNING for p in split.points} or None
     # export cannot make a dimension of size 1 dynamic: trace a one-sample micro-batch as two
@@ -44,6 +43,18 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
             f"{type(exc).__name__}: {_what_to_do(model, str(exc).strip())}") from None
     _check_reached(type(model).__name__, split, reached)
     return pipe
+
+
+def _nearest(model: nn.Module, point: str) -> str:
+    """Where the name ``point`` leaves ``model``'s modules, and the names close to it."""
+    names, parts, at = [n for n, _ in model.named_modules() if n], point.split("."), ""
+    while parts and (f"{at}.{parts[0]}" if at else parts[0]) in names:
+        at = f"{at}.{parts.pop(0)}" if at else parts.pop(0)
+    children = [n for n, _ in model.get_submodule(at).named_children()]
+    close = difflib.get_close_matches(point, names, n=3, cutoff=0.6)
+    return (f"{at} has no child {parts[0]!r}; its children, in order: {children}" if at else
+            f"its children, in order: {children}"
+            + (f"; close to {point!r}: {close}" if close else ""))
 
 
 def _what_to_do(model: nn.Module, error: str) -> str:

@@ -46,8 +46,13 @@ def test_a_functional_op_in_forward_is_kept():
 
 
 def test_split_at_errors_say_what_and_how():
-    with pytest.raises(PartitionError, match=r"has no submodule \['fc3'\]; its children, in order: \['fc1', 'fc2'\]"):
+    with pytest.raises(PartitionError, match=r"has no submodule \['fc3'\]: its children, in order: "
+                                             r"\['fc1', 'fc2'\]; close to 'fc3': \['fc2', 'fc1'\]"):
         plan_stages(rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc3")), torch.randn(4, 16))
+    deep = nn.Sequential(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 2)))  # a deep name that leaves at one level
+    with pytest.raises(PartitionError, match=r"has no submodule \['0.layers.1'\]: 0 has no child 'layers'; its children, "
+                                             r"in order: \['0', '1'\]"):
+        plan_stages(rpcmp.Job(model=lambda: deep, stages=rpcmp.SplitAt("0.layers.1")), torch.randn(4, 16))
     with pytest.raises(PartitionError, match="the job has no data"):
         plan_stages(rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc2")))
 
