@@ -15,8 +15,7 @@ those answers to come back down the chain: a micro-batch is done when its output
 arrives (:func:`rpcmp.master.inbox.send`), which saves a one-way trip per stage
 (figures: benchmarks/PERFORMANCE.md, design measurements).
 
-Micro-batches are numbered by the master (``seq``); a stage runs them strictly in that
-order (:class:`rpcmp.owner.admission.InOrder`).
+Micro-batches are numbered by the master (``seq``); a stage runs them in that order (:class:`InOrder`).
 
 [Note: one compute thread per stage]
 The RPC handler thread owns the distributed-autograd context (it is thread-local), so
@@ -52,6 +51,7 @@ from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
 from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
 from ..core.wire import from_wire, to_wire
+from ..plan.graphs import described
 from ..plan.partition import StageSpec, build_empty, build_stage, has_batchnorm
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
@@ -232,7 +232,7 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool, sent: float | No
         if type(exc) in (StageError, StepCancelled):  # from the gate (a timeout, a failed step): the message says it all
             return _done(Failure(str(exc), kind=type(exc).__name__))
         return _done(Failure.of(f"stage {index} ({host.spec.name}) on {host.place} failed on micro-batch {seq}: "
-                                f"{type(exc).__name__}: {exc}", exc))
+                                f"{described(host.spec, exc)}", exc))
     if grad and host.reduce is not None:
         host.reduce.watch(seq, y)
     posted = []

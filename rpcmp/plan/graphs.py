@@ -64,3 +64,18 @@ def forget_trace(modules) -> None:
         for _, _, graph in graphs(top):
             for node in graph.nodes:
                 node.meta.clear()
+
+
+
+def described(spec, exc: BaseException) -> str:
+    """``Type: message`` of a stage's failure; after its first line, for one that may come from tracing on the
+    meta device, why: a ``forward`` that picks its path by device type (``x.device.type == "cpu"``) recorded the
+    path for ``meta``, which can call a kernel the owner's device lacks. Hugging Face's grouped experts of MoE
+    models (Mixtral, Qwen-MoE) do, for ``torch.histc`` ("histogram_cpu" not implemented for 'Int')."""
+    first, _, rest = str(exc).partition("\n")
+    if getattr(spec, "kind", None) == "traced" and isinstance(exc, NotImplementedError):
+        first += (". The stage's graph was traced on the meta device (no memory): a forward that chooses its path by "
+                  "the tensors' device type took the path for 'meta', and an op on it may have no kernel here. Make "
+                  "that choice another way; for a Hugging Face MoE model (Mixtral, Qwen-MoE), build it with "
+                  "experts_implementation='batched_mm' in its config")
+    return f"{type(exc).__name__}: {first}" + (f"\n{rest}" if rest else "")

@@ -1,4 +1,6 @@
 """SplitAt: stages cut from the traced graph compose to the model, with its parameter names."""
+import types
+
 import pytest
 import torch
 import torchvision
@@ -242,3 +244,14 @@ def test_a_second_plan_of_the_same_job_and_batch_shape_reuses_the_trace(monkeypa
     before = len(traced)
     job.model = lambda: Classifier()  # the job changed in place: traced again
     assert len(plan_stages(job, x)) == 2 and len(traced) > before
+
+
+def test_a_traced_stage_s_missing_kernel_says_it_was_traced_on_the_meta_device():
+    from rpcmp.plan.graphs import described
+    exc = NotImplementedError("\"histogram_cpu\" not implemented for 'Int'\n\nWhile executing %histc ...")
+    got = described(types.SimpleNamespace(kind="traced"), exc)
+    assert got.startswith("NotImplementedError: \"histogram_cpu\" not implemented for 'Int'. The stage's graph was "
+                          "traced on the meta device")
+    assert "experts_implementation='batched_mm'" in got.splitlines()[0] and got.endswith("While executing %histc ...")
+    assert described(types.SimpleNamespace(kind="names"), exc) == f"NotImplementedError: {exc}"
+    assert described(types.SimpleNamespace(kind="traced"), ValueError("x")) == "ValueError: x"
