@@ -50,12 +50,11 @@ FAMILIES = {  # name: (config, model, config arguments, the blocks' container)
                num_attention_heads=4, use_cache=False), "transformer.h"),
     "gptj": (T.GPTJConfig, T.GPTJForCausalLM, dict(vocab_size=V, n_embd=32, n_layer=4, n_head=4, rotary_dim=4,
              n_positions=64, use_cache=False), "transformer.h"),
-    # mixture of experts: the default grouped experts choose by device type (see rpcmp.plan.graphs.described)
-    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(_KW, num_local_experts=4, num_experts_per_tok=2,
-                experts_implementation="batched_mm"), "model.layers"),
+    # mixtures of experts: their default grouped experts choose their path by device type
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(_KW, num_local_experts=4, num_experts_per_tok=2),
+                "model.layers"),
     "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, dict(_KW, moe_intermediate_size=32, num_experts=4,
-                  num_experts_per_tok=2, shared_expert_intermediate_size=32, experts_implementation="batched_mm"),
-                  "model.layers"),
+                  num_experts_per_tok=2, shared_expert_intermediate_size=32), "model.layers"),
     "bert": (T.BertConfig, T.BertForMaskedLM, dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
              num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
              attention_probs_dropout_prob=0.0), "bert.encoder.layer"),

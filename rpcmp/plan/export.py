@@ -8,6 +8,7 @@ import contextlib
 import difflib
 import inspect
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import PartitionError
+from .graphs import graphs, place_graph
 from .strange import cached_modules
 from .traced import SplitAt
 
@@ -35,14 +37,90 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
                              else t, sample)
     try:
-        pipe, reached = _pipeline(model, split, spec, sample)
+        with _as_cpu(model, sample) as fake_sample:  # see [Note: traced as if on the CPU]
+            pipe, reached = _pipeline(model, split, spec, fake_sample)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
         exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
         raise PartitionError(
             f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
             f"{type(exc).__name__}: {_what_to_do(model, str(exc).strip())}") from None
     _check_reached(type(model).__name__, split, reached)
+    _to_meta(pipe)
     return pipe
+
+
+@contextlib.contextmanager
+def _as_cpu(model: nn.Module, sample: Any):
+    """[Note: traced as if on the CPU]
+    The model is built on the meta device (no memory; see [Note: each owner materializes only its part]
+    in rpcmp/plan/materialize.py), but a ``forward`` may choose its path by the device type of its
+    tensors (``x.device.type == "cpu"``), and traced on meta it records the path for ``meta``: the
+    grouped experts of Hugging Face's MoE models then call ``histc`` on integers, which has no CPU
+    kernel, and the stage failed on its first micro-batch. So the trace sees fake tensors of the CPU
+    (``FakeTensorMode``: shapes, dtypes and a device, no memory) in place of the meta ones, model and
+    sample; the model gets its meta tensors back after the trace, and :func:`_to_meta` turns what the
+    trace kept back into meta tensors and the CPU its graphs name into ``meta``, so that everything after
+    the trace sees a graph traced on meta, as before (an owner's device replaces ``meta``: see [Note: a
+    traced graph names the device it was traced on] in rpcmp/plan/graphs.py). A stage on a GPU runs the
+    CPU's path of such a ``forward`` (the one for ``meta`` before); a constant ``forward`` makes from
+    Python values is real on the CPU, and is made meta like the rest (its value is not used: see
+    :func:`rpcmp.plan.strange.refuse_strange`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    made: dict[int, torch.Tensor] = {}  # tied tensors stay one
+
+    def fake(t):
+        if not (isinstance(t, torch.Tensor) and t.is_meta):
+            return t
+        if id(t) not in made:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return made[id(t)]
+    swapped = []  # (the table, the key, what it held)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers, vars(module)):
+            for key, t in list(table.items()):
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    swapped.append((table, key, t))
+                    table[key] = fake(t)
+    try:
+        yield pytree.tree_map(fake, sample)
+    finally:
+        for table, key, t in swapped:
+            table[key] = t
+
+
+def _to_meta(pipe) -> None:
+    """What the trace kept of the fake tensors, as meta tensors, and ``meta`` where its graphs name the CPU
+    (see [Note: traced as if on the CPU])."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    made: dict[int, torch.Tensor] = {}
+
+    def meta(t):
+        if id(t) not in made:
+            m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            made[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+        return made[id(t)]
+    for module in _reachable(pipe.split_gm):
+        for table in (module._parameters, module._buffers, vars(module)):
+            for key, t in list(table.items()):
+                if isinstance(t, torch.Tensor) and not t.is_meta:  # fake, or a constant the trace made from Python
+                    table[key] = meta(t)  # values: unknown on meta, as before (rpcmp.plan.strange says so)
+    def meta_val(v):  # the node's fake value, symbolic sizes kept
+        if not (isinstance(v, FakeTensor) and v.device.type == "cpu"):
+            return v
+        with v.fake_mode:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    for i in range(pipe.num_stages):
+        stage = pipe.get_stage_module(i)
+        place_graph(stage, torch.device("meta"), of="cpu")
+        for _, _, graph in graphs(stage):
+            for node in graph.nodes:
+                for key in ("val", "example_value"):
+                    if key in node.meta:
+                        node.meta[key] = pytree.tree_map(meta_val, node.meta[key])
 
 
 def _nearest(model: nn.Module, point: str) -> str:
@@ -123,6 +201,19 @@ def _check_reached(model: str, split: SplitAt, reached: list) -> None:
                                       f"in that order"))
 
 
+def _reachable(top: nn.Module) -> list[nn.Module]:
+    """``top``'s modules and those its graphs name as the module they were first made for, and theirs."""
+    found, todo = {}, [top]
+    while todo:
+        for module in todo.pop().modules():
+            if id(module) not in found:
+                found[id(module)] = module
+                graph = getattr(module, "graph", None)
+                if isinstance(graph, torch.fx.Graph) and graph.owning_module is not None:
+                    todo.append(graph.owning_module)
+    return list(found.values())
+
+
 @contextlib.contextmanager
 def _exporting(pipe_cls, dynamic: bool):
     """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
@@ -142,7 +233,9 @@ def _exporting(pipe_cls, dynamic: bool):
         return exported
     pipe_cls._trace_with_export = staticmethod(trace)
     try:
-        yield out_specs, reached
+        with warnings.catch_warnings():  # pipelining deep-copies a tied parameter: here a fake one, with no data
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            yield out_specs, reached
     finally:
         pipe_cls._trace_with_export = plain
 

@@ -8,7 +8,7 @@ from torch import nn
 __all__ = ["place_graph", "graph_devices", "graphs", "forget_trace"]
 
 
-def place_graph(stage: nn.Module, device: torch.device) -> None:
+def place_graph(stage: nn.Module, device: torch.device, of: str = "meta") -> None:
     """Make a stage traced on the meta device (``pipe.get_stage_module(i)``) create its tensors on ``device``.
 
     [Note: a traced graph names the device it was traced on]
@@ -20,11 +20,13 @@ def place_graph(stage: nn.Module, device: torch.device) -> None:
     (a nanoGPT-style decoder's positional embedding gave NaN). Every ``meta`` in the graph's
     arguments is rewritten to the owner's device before the stage runs, and
     :func:`rpcmp.plan.materialize.check_materialized` refuses a stage whose graph still names ``meta``.
-    Must run before :func:`rpcmp.plan.traced.stage_module` / ``attach_eval``, which capture ``forward``."""
+    Must run before :func:`rpcmp.plan.traced.stage_module` / ``attach_eval``, which capture ``forward``.
+    ``of``: the device type replaced (the trace itself makes ``meta`` of the ``cpu`` it traced on: see
+    [Note: traced as if on the CPU] in rpcmp/plan/export.py)."""
     hits = []
 
     def swap(a):
-        if isinstance(a, torch.device) and a.type == "meta":
+        if isinstance(a, torch.device) and a.type == of:
             hits.append(a)
             return device
         return a
@@ -67,15 +69,15 @@ def forget_trace(modules) -> None:
 
 
 
+
 def described(spec, exc: BaseException) -> str:
-    """``Type: message`` of a stage's failure; after its first line, for one that may come from tracing on the
-    meta device, why: a ``forward`` that picks its path by device type (``x.device.type == "cpu"``) recorded the
-    path for ``meta``, which can call a kernel the owner's device lacks. Hugging Face's grouped experts of MoE
-    models (Mixtral, Qwen-MoE) do, for ``torch.histc`` ("histogram_cpu" not implemented for 'Int')."""
+    """``Type: message`` of a stage's failure; after its first line, for one that may come from how the stage was
+    traced, why: a ``forward`` that picks its path by device type (``x.device.type == "cpu"``) recorded the path
+    for the CPU (see [Note: traced as if on the CPU] in rpcmp/plan/export.py), which can call a kernel another
+    device lacks."""
     first, _, rest = str(exc).partition("\n")
     if getattr(spec, "kind", None) == "traced" and isinstance(exc, NotImplementedError):
-        first += (". The stage's graph was traced on the meta device (no memory): a forward that chooses its path by "
-                  "the tensors' device type took the path for 'meta', and an op on it may have no kernel here. Make "
-                  "that choice another way; for a Hugging Face MoE model (Mixtral, Qwen-MoE), build it with "
-                  "experts_implementation='batched_mm' in its config")
+        first += (". The stage's graph was traced as on the CPU (fake tensors, no memory): a forward that chooses "
+                  "its path by the tensors' device type took the CPU's path, and an op on it may have no kernel on "
+                  "this device. Make that choice another way, or cut the model by modules (rpcmp.Split)")
     return f"{type(exc).__name__}: {first}" + (f"\n{rest}" if rest else "")

@@ -24,7 +24,7 @@ def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
         i, name = lifted[0]
         where, _, leaf = name.rpartition(".")
         readers = sorted({str(u.target) for _, _, g in graphs(pipe.get_stage_module(i).get_submodule(where))
-                          for node in g.nodes if node.op == "get_attr" and node.target == leaf for u in node.users})
+                          for node in g.nodes if node.op == "get_attr" and node.target == leaf for u in _readers(node)})
         raise PartitionError(
             f"SplitAt: {where or type(model).__name__}'s forward makes a tensor from Python values on its input's device ({name}, read by "
             f"{', '.join(readers) or 'the graph'}; indexing with a list, x[..., [-2]], does this). Traced on the meta "
@@ -34,6 +34,11 @@ def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
     raise PartitionError(f"SplitAt: the traced stages hold tensors {type(model).__name__} has no name for "
                          f"({strange[:5]}{'...' if len(strange) > 5 else ''}): tensors its forward creates and "
                          f"keeps between calls, which a stage cannot hand on. {_cache_hint(model)}")
+
+
+def _readers(node) -> list:
+    """The nodes that read ``node``'s value, past the copies export makes of a constant (``lift_fresh_copy``)."""
+    return [r for u in node.users for r in (_readers(u) if "lift_fresh" in str(u.target) else [u])]
 
 
 def cached_modules(model: nn.Module) -> list[str]:
