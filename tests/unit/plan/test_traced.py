@@ -252,16 +252,15 @@ class _ByDevice(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2)])
 
     def forward(self, x):
-        h = self.a(x)
-        h = h * 2 if h.device.type == "cpu" else h * 3
-        return self.b(h)
+        h = self.layers[0](x)
+        return self.layers[1](h * 2 if h.device.type == "cpu" else h * 3)
 
 
 def test_a_forward_that_chooses_by_device_type_is_traced_as_on_the_cpu():
-    job = rpcmp.Job(model=_ByDevice, stages=rpcmp.SplitAt("b"))
+    job = rpcmp.Job(model=_ByDevice, stages=rpcmp.SplitAt("layers.1"))
     x = torch.randn(4, 4)
     _, stages, out = _compose(job, x)
     torch.manual_seed(job.seed)
