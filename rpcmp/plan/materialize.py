@@ -27,11 +27,9 @@ segmentation_models_pytorch. Not exact, and documented as such: an initializatio
 kept tensor that reads the values of a tensor of another stage (it reads scratch). When
 step 1 fails on the meta device (construction code that reads a tensor's value, e.g.
 ``torch.linspace(...).item()``), step 1 runs for real with every tensor on scratch.
-A construction that converts the model at its end (``model.to(torch.bfloat16)``) is followed:
-a tensor is known by the slot it was registered in when the conversion made a new one there
-(buffers), and what a conversion makes of scratch goes to the meta device too. For that moment
-the process holds every other tensor in the new dtype, so a model too big for one process is
-better built in its dtype (``torch.set_default_dtype`` around the construction).
+A construction that converts the model (``model.to(torch.bfloat16)``) is followed: a buffer it
+makes anew is known by its slot, and what it makes of scratch goes to meta. Meanwhile every tensor
+is held in the new dtype: build a model too big for one process in its dtype instead.
 
 [Note: every tensor a stage reads]
 ``state_dict()`` is not all of a module's state, and a traced stage reads more than its
@@ -63,18 +61,24 @@ __all__ = ["place_unused", "shared_params", "meta_model", "build_part", "build_w
            "graph_constants", "attribute", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
 
 _LOCAL = threading.local()  # the registration hooks act only in the thread that builds
+COMPILED: set = set()  # the model factories that returned a torch.compile'd module here (see _construct)
 
 
-def build_whole(job) -> nn.Module:
-    """``job.model()`` built under ``job.seed``: the unsplit model, all of it, for real."""
-    return _construct(job)
+def build_whole(job, compiled: bool = False) -> nn.Module:
+    """The unsplit model, all of it, for real; a compiled one unwrapped unless ``compiled`` (see :func:`_construct`)."""
+    return _construct(job, split=not compiled)
 
 
-def _construct(job) -> nn.Module:
+def _construct(job, split: bool = True) -> nn.Module:
+    """``job.model()`` under ``job.seed``; to be ``split``, a ``torch.compile``'d module is the module it wraps
+    (a stage runs a part of it; its names are the module's own, no ``_orig_mod.``)."""
     if job.model is None:
         raise PartitionError("stages given by name, Split or SplitAt need Job(model=<factory>) to build the model from")
     torch.manual_seed(job.seed)
     model = job.model()
+    if split and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        COMPILED.add(job.model)  # the plan says so, once (rpcmp.plan.partition.plan_stages)
+        model = model._orig_mod
     if not isinstance(model, nn.Module):
         raise PartitionError(f"Job(model=...) must return an nn.Module, got {type(model).__name__}")
     return model
@@ -256,19 +260,16 @@ def _record_seeded(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.d
 
 
 def _final_names(model: nn.Module, order: list[tuple]) -> list[tuple[list[str], tuple, torch.dtype]]:
-    """For each registration, the names its tensor has in the finished ``model`` and its shape and dtype when
-    registered. A tensor is found by identity, or else in the slot it was registered in, when a conversion
-    replaced it there (``model.to(torch.bfloat16)`` in the construction makes new buffers: they are the
-    registered ones, converted); a slot that holds another registered tensor holds that one, not this."""
-    names, prefixes = tensor_names(model), {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
+    """For each registration, the names its tensor has in ``model`` and its shape and dtype when registered. Found
+    by identity, or else in its slot when a conversion replaced it there (``.to(dtype)`` makes new buffers); a slot
+    holding another registered tensor holds that one."""
+    names, modules = tensor_names(model), {id(m) for m in model.modules()}
     registered = {id(t) for _, _, t, *_ in order}
     out = []
     for module, name, t, shape, dtype in order:
-        found = names.get(id(t), [])
-        now = {**module._parameters, **module._buffers}.get(name) if id(module) in prefixes else None
-        if not found and now is not None and id(now) not in registered and tuple(now.shape) == shape:
-            found = names.get(id(now), [])
-        out.append((found, shape, dtype))
+        now = {**module._parameters, **module._buffers}.get(name) if id(module) in modules else None
+        by_slot = now is not None and id(now) not in registered and tuple(now.shape) == shape
+        out.append((names.get(id(t)) or (names.get(id(now), []) if by_slot else []), shape, dtype))
     return out
 
 

@@ -16,6 +16,7 @@ A stage is called with one argument, the previous stage's output.
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -27,7 +28,7 @@ import torch.utils._pytree as pytree
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
-from .materialize import (attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
+from .materialize import (COMPILED, attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
                           meta_model, place_unused, read_constant, set_constant, set_tensor, shared_params,
                           tensor_names, tensor_table)
 from .graphs import forget_trace, place_graph
@@ -117,6 +118,14 @@ def declaration_kind(stages: Any) -> str:
 
 def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     """Resolve ``job.stages`` into :class:`StageSpec` records (master side)."""
+    specs = _plan(job, sample)
+    if job.model in COMPILED:
+        warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs the "
+                      "stages uncompiled, with that module's names (no '_orig_mod.' prefix)", stacklevel=2)
+    return specs
+
+
+def _plan(job, sample: Any) -> list[StageSpec]:
     stages = job.stages
     kind = declaration_kind(stages)
     if kind == "names":

@@ -88,7 +88,7 @@ class DDPEngine:
         self.local_batch = job.batch_size // self.world
         if job.model is None:
             raise JobError("DDP mode builds the whole model on every rank: give Job(model=<factory>)")
-        module = build_whole(job)
+        module = build_whole(job, compiled=True)
         if job.init_from:
             module.load_state_dict(read_state_file(job.init_from), strict=True)
         module = module.to(self.device)

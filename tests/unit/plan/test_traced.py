@@ -276,3 +276,13 @@ def test_a_traced_stage_s_missing_kernel_says_how_it_was_traced():
     assert got.endswith("While executing %histc ...")
     assert described(types.SimpleNamespace(kind="names"), exc) == f"NotImplementedError: {exc}"
     assert described(types.SimpleNamespace(kind="traced"), ValueError("x")) == "ValueError: x"
+
+
+def test_a_compiled_model_is_split_as_the_module_it_wraps_with_its_names():
+    job = rpcmp.Job(model=lambda: torch.compile(Classifier()), stages=rpcmp.SplitAt("fc2"))
+    x = torch.randn(4, 16)
+    with pytest.warns(UserWarning, match="torch.compile'd module: rpcmp splits the module it wraps"):
+        specs, stages, out = _compose(job, x)
+    assert [n for s in stages for n, _ in s.named_parameters()] == [n for n, _ in Classifier().named_parameters()]
+    torch.manual_seed(job.seed)
+    torch.testing.assert_close(out, Classifier()(x))
