@@ -49,6 +49,9 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     return pipe
 
 
+_TABLES = {"_parameters", "_buffers", "_modules"}  # a module's own tables, gone through one by one
+
+
 @contextlib.contextmanager
 def _as_cpu(model: nn.Module, sample: Any):
     """[Note: traced as if on the CPU]
@@ -78,13 +81,15 @@ def _as_cpu(model: nn.Module, sample: Any):
                 f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
             made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
         return made[id(t)]
+    def has_meta(value):
+        return any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(value))
     swapped = []  # (the table, the key, what it held)
     for module in model.modules():
         for table in (module._parameters, module._buffers, vars(module)):
-            for key, t in list(table.items()):
-                if isinstance(t, torch.Tensor) and t.is_meta:
-                    swapped.append((table, key, t))
-                    table[key] = fake(t)
+            for key, value in list(table.items()):
+                if key not in _TABLES and has_meta(value):  # a tensor, or a list or dict of them
+                    swapped.append((table, key, value))
+                    table[key] = pytree.tree_map(fake, value)
     try:
         yield pytree.tree_map(fake, sample)
     finally:

@@ -288,6 +288,20 @@ def test_a_tensor_forward_makes_from_python_values_is_refused_naming_the_module_
     with pytest.raises(rpcmp.PartitionError, match=r"SplitAt: _ListIndex's forward makes a tensor from Python values .*lifted_tensor"
                                                    r".*read by aten.index.Tensor.*x\[..., -2:-1\]"):
         plan_stages(job, torch.zeros(2, 4))
+    job = rpcmp.Job(model=_InAList, stages=rpcmp.SplitAt("b"))  # traced as on the CPU, the list's tensor too
+    with pytest.raises(rpcmp.PartitionError, match=r"makes a tensor from Python values .*read by aten.add.Tensor"):
+        plan_stages(job, torch.zeros(2, 4))
+
+
+class _InAList(_ListIndex):
+    """Keeps a tensor in a list attribute, which the trace lifts as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = [torch.arange(4.0)]
+
+    def forward(self, x):
+        return self.b(self.a(x) + self.table[0])
 
 
 class _Raw(nn.Module):
