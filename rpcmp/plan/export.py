@@ -81,6 +81,7 @@ def _as_cpu(model: nn.Module, sample: Any):
                 f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
             made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
         return made[id(t)]
+
     def has_meta(value):
         return any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(value))
     swapped = []  # (the table, the key, what it held)
@@ -113,6 +114,7 @@ def _to_meta(pipe) -> None:
             for key, t in list(table.items()):
                 if isinstance(t, torch.Tensor) and not t.is_meta:  # fake, or a constant the trace made from Python
                     table[key] = meta(t)  # values: unknown on meta, as before (rpcmp.plan.strange says so)
+
     def meta_val(v):  # the node's fake value, symbolic sizes kept
         if not (isinstance(v, FakeTensor) and v.device.type == "cpu"):
             return v
@@ -135,9 +137,8 @@ def _nearest(model: nn.Module, point: str) -> str:
         at = f"{at}.{parts.pop(0)}" if at else parts.pop(0)
     children = [n for n, _ in model.get_submodule(at).named_children()]
     close = difflib.get_close_matches(point, names, n=3, cutoff=0.6)
-    return (f"{at} has no child {parts[0]!r}; its children, in order: {children}" if at else
-            f"its children, in order: {children}"
-            + (f"; close to {point!r}: {close}" if close else ""))
+    where = f"{at} has no child {parts[0]!r}; its children" if at else "its children"
+    return f"{where}, in order: {children}" + (f"; close to {point!r}: {close}" if close else "")
 
 
 def _what_to_do(model: nn.Module, error: str) -> str:

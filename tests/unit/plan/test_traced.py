@@ -1,5 +1,6 @@
 """SplitAt: stages cut from the traced graph compose to the model, with its parameter names."""
 import types
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -51,10 +52,12 @@ def test_split_at_errors_say_what_and_how():
     with pytest.raises(PartitionError, match=r"has no submodule \['fc3'\]: its children, in order: "
                                              r"\['fc1', 'fc2'\]; close to 'fc3': \['fc2', 'fc1'\]"):
         plan_stages(rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc3")), torch.randn(4, 16))
-    deep = nn.Sequential(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 2)))  # a deep name that leaves at one level
-    with pytest.raises(PartitionError, match=r"has no submodule \['0.layers.1'\]: 0 has no child 'layers'; its children, "
-                                             r"in order: \['0', '1'\]"):
-        plan_stages(rpcmp.Job(model=lambda: deep, stages=rpcmp.SplitAt("0.layers.1")), torch.randn(4, 16))
+    layers = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 2))
+    deep = nn.Sequential(OrderedDict(blocks=nn.Sequential(OrderedDict(layers=layers))))  # a name that leaves at one level
+    with pytest.raises(PartitionError, match=r"has no submodule \['blocks.layer.1'\]: blocks has no child 'layer'; its "
+                                             r"children, in order: \['layers'\]; close to 'blocks.layer.1': "
+                                             r"\['blocks.layers.1'"):
+        plan_stages(rpcmp.Job(model=lambda: deep, stages=rpcmp.SplitAt("blocks.layer.1")), torch.randn(4, 16))
     with pytest.raises(PartitionError, match="the job has no data"):
         plan_stages(rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc2")))
 
