@@ -1,6 +1,7 @@
 """The CUDA paths, proven where a GPU is: CUDA stages in separate processes (with and without
-TensorPipe device maps), Adam state of CUDA stages through a checkpoint and resume, DDP with
-NCCL and fp16 loss scaling, and replicas of CUDA stages. Skipped without CUDA; ``make gpu-check``
+TensorPipe device maps), a language model cut on its traced graph on CUDA stages, Adam state of
+CUDA stages through a checkpoint and resume, DDP with NCCL and fp16 loss scaling, and replicas of
+CUDA stages. Skipped without CUDA; ``make gpu-check``
 runs them and prints a report (tests/gpu/check.py)."""
 import pytest
 import torch
@@ -31,6 +32,33 @@ def test_cuda_stages_in_separate_processes_train_as_the_unsplit_model(device_map
     torch.manual_seed(job.seed)
     ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, batches(3, size=8))
     assert all(v.device.type == "cpu" for v in state.values())  # the consolidated state comes back on the CPU
+    assert_close_f32(losses, ref_losses, **GPU_F32)
+    assert_close_f32(state, ref_state, **GPU_F32)
+
+
+def _lm_batches(job):
+    train, _ = job.data()
+    return [train[i * 8:(i + 1) * 8] for i in range(3)]
+
+
+def _lm_steps(job, world_size):
+    from rpcmp.train.engine import make_engine
+    engine = make_engine(job, world_size)
+    losses = [engine.pipe.train_step(x, y).item() for x, y in _lm_batches(job)]
+    return losses, engine.pipe.state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_a_language_model_cut_on_its_traced_graph_trains_on_cuda_stages_as_the_unsplit_model():
+    """The nanoGPT decoder (positions made in forward on the input's device, its head tied to the
+    embedding across stages), traced as on the CPU with no memory and run on CUDA stages."""
+    job = load("nanogpt")
+    adamw = (torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6})  # eps: see tests/integration/test_language_models.py
+    place = {"placement": [f"worker{i}/cuda:0" for i in (1, 2, 3)], "microbatches": 2, "batch_size": 8,
+             "optimizer": adamw}
+    losses, state = run_ranks("nanogpt", 4, _lm_steps, place)
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), adamw, job.loss, _lm_batches(job))
     assert_close_f32(losses, ref_losses, **GPU_F32)
     assert_close_f32(state, ref_state, **GPU_F32)
 
