@@ -68,8 +68,6 @@ def forget_trace(modules) -> None:
                 node.meta.clear()
 
 
-
-
 def described(spec, exc: BaseException) -> str:
     """``Type: message`` of a stage's failure; after its first line, for one that may come from how the stage was
     traced, why: a ``forward`` that picks its path by device type (``x.device.type == "cpu"``) recorded the path

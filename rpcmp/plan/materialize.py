@@ -27,9 +27,8 @@ segmentation_models_pytorch. Not exact, and documented as such: an initializatio
 kept tensor that reads the values of a tensor of another stage (it reads scratch). When
 step 1 fails on the meta device (construction code that reads a tensor's value, e.g.
 ``torch.linspace(...).item()``), step 1 runs for real with every tensor on scratch.
-A construction that converts the model (``model.to(torch.bfloat16)``) is followed: a buffer it
-makes anew is known by its slot, and what it makes of scratch goes to meta. Meanwhile every tensor
-is held in the new dtype: build a model too big for one process in its dtype instead.
+A construction that converts the model (``.to(torch.bfloat16)``) is followed (buffers it remakes are
+known by their slot), but holds every tensor in the new dtype: build big models in their dtype.
 
 [Note: every tensor a stage reads]
 ``state_dict()`` is not all of a module's state, and a traced stage reads more than its
@@ -49,6 +48,7 @@ compares every value with the unsplit model's (:mod:`rpcmp.cli.commands.check`).
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from typing import Callable
 
@@ -76,7 +76,7 @@ def _construct(job, split: bool = True) -> nn.Module:
         raise PartitionError("stages given by name, Split or SplitAt need Job(model=<factory>) to build the model from")
     torch.manual_seed(job.seed)
     model = job.model()
-    if split and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if split and isinstance(model, getattr(sys.modules.get("torch._dynamo"), "OptimizedModule", ())):  # no import: ~1 s
         COMPILED.add(job.model)  # the plan says so, once (rpcmp.plan.partition.plan_stages)
         model = model._orig_mod
     if not isinstance(model, nn.Module):
