@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed.rpc as rpc
 
-from ..errors import RunAbortedError, StageError
+from ..errors import (CheckpointError, JobError, MicroBatchError, NonFiniteLossError, PartitionError, PlacementError,
+                      RunAbortedError, StageError)
 from ..errors import WorkerLostError
 from ..core.health import Watchdog, unresponsive
 from ..job import Job, load_job
@@ -36,6 +37,8 @@ from ..owner.move import leave_soon
 __all__ = ["run_rank", "free_port", "default_threads", "usable_cpus", "serve_until_told"]
 
 _SHUTDOWN_TIMEOUT = 30.0
+# errors after which every process still answers
+_ALL_ANSWER = (StageError, JobError, PartitionError, PlacementError, MicroBatchError, NonFiniteLossError, CheckpointError)
 
 
 def _one_malloc_arena() -> None:
@@ -171,13 +174,14 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     finally:
         if watchdog is not None:
             watchdog.stop()
-        # A stage's own failure leaves every process answering: leave as after success (no transport noise); a
-        # process lost and replaced in place (rpcmp/master/recovery.py) takes no part in a graceful shutdown. The
-        # master's choice is the workers' (a worker in a graceful shutdown the master skips waits out its timeout).
+        # A stage's own failure, or a job the master refuses (a split, a placement, a batch, a loss), leaves every
+        # process answering: leave as after success (no transport noise); a process lost and replaced in place
+        # (rpcmp/master/recovery.py) takes no part in a graceful shutdown. The master's choice is the workers'
+        # (a worker in a graceful shutdown the master skips waits out its timeout).
         if rank == 0 and error is None:
             _note_gone_at_end(served, world_size)
         graceful = served.graceful and not served.lost and (
-            error is None or (isinstance(error, StageError) and not isinstance(error, WorkerLostError)))
+            error is None or (isinstance(error, _ALL_ANSWER) and not isinstance(error, WorkerLostError)))
         if rank == 0:
             _tell_outcome([w for w in map(process_name, range(1, world_size)) if w not in served.lost], error is None,
                           graceful=graceful)

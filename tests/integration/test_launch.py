@@ -134,3 +134,30 @@ def test_a_placement_the_world_cannot_hold_is_the_jobs_mistake_said_once(tmp_pat
     assert proc.returncode == 2, proc.stdout + proc.stderr  # an input mistake, not a failed run
     assert "error: PlacementError: stage 1 is placed on 'worker7', which is not a process of this run" in proc.stderr
     assert proc.stderr.count("error:") == 1 and "LaunchError" not in proc.stderr, proc.stderr
+
+
+
+_BRANCHY = """import dataclasses, runpy, rpcmp
+base = runpy.run_path({path!r})
+
+
+class Branchy(base["Classifier"]):
+    def forward(self, x):
+        h = self.fc1(x)
+        return self.fc2(h) if h.sum() > 0 else self.fc2(-h)
+
+
+job = dataclasses.replace(base["job"], model=Branchy)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_job_the_master_refuses_after_the_launch_ends_with_its_error_alone(tmp_path):
+    """Every process still answers after a split the trace refuses: the world leaves as after success, with
+    no transport noise around the one error line."""
+    job = tmp_path / "job.py"
+    job.write_text(_BRANCHY.format(path=job_path("traced_classifier")))
+    proc = _run([os.path.join(BIN, "rpcmp"), "run", str(job), "--local", "3"], timeout=100)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "PartitionError" in out and "Data-dependent control flow" in out, out
+    assert "tensorpipe" not in out.lower(), out
