@@ -125,7 +125,7 @@ def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:
 def warm(processes, spec) -> None:
     """Have ``processes`` trace the model that ``spec`` (any stage of a traced split) was cut from while they
     wait, or while the master plans a re-cut (:func:`rpcmp.owner.move.prepare`): a later build there is a build,
-    not a trace as well. Nothing for a stage that is not traced."""
-    if spec.kind == "traced":
+    not a trace as well; of a split by name or slice, keep the model on the meta device. Nothing for modules."""
+    if spec.kind in ("traced", "names", "slice"):
         for process in processes:
             rpc.rpc_async(process, owner_move.prepare, args=(spec,))

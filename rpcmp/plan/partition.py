@@ -16,6 +16,7 @@ A stage is called with one argument, the previous stage's output.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -58,16 +59,13 @@ class Split:
 
     def __post_init__(self):
         if (self.balance is None) == (self.parts is None):
-            raise PartitionError(
-                f"Split expects exactly one of balance=[...] or parts=N, got balance={self.balance!r}, "
-                f"parts={self.parts!r}: e.g. Split([3, 5, 2]) or Split(parts=3, by='params')"
-            )
+            raise PartitionError(f"Split expects exactly one of balance=[...] or parts=N, got balance={self.balance!r}, "
+                                 f"parts={self.parts!r}: e.g. Split([3, 5, 2]) or Split(parts=3, by='params')")
         if self.balance is not None:
             bad = [b for b in self.balance if not isinstance(b, int) or b < 1]
             if not self.balance or bad:
-                raise PartitionError(
-                    f"Split balance must be a non-empty list of positive layer counts, got {list(self.balance)!r}"
-                )
+                raise PartitionError(f"Split balance must be a non-empty list of positive layer counts, got "
+                                     f"{list(self.balance)!r}")
         if self.by not in ("params", "time"):
             raise PartitionError(f"Split(by=...) expects 'params' or 'time', got {self.by!r}")
 
@@ -102,26 +100,23 @@ def declaration_kind(stages: Any) -> str:
     if isinstance(stages, SplitAt):
         return "traced"
     if isinstance(stages, (str, bytes)) or not isinstance(stages, Sequence) or len(stages) == 0:
-        raise PartitionError(
-            f"stages must be a non-empty list of submodule names, of modules / factories, or a "
-            f"Split(...), got {stages!r}: e.g. stages=['encoder', 'decoder', 'segmentation_head']"
-        )
+        raise PartitionError(f"stages must be a non-empty list of submodule names, of modules / factories, or a "
+                             f"Split(...), got {stages!r}: e.g. stages=['encoder', 'decoder', 'segmentation_head']")
     if all(isinstance(s, str) or (isinstance(s, (list, tuple)) and s and all(isinstance(n, str) for n in s))
            for s in stages):
         return "names"
     if all(isinstance(s, nn.Module) or callable(s) for s in stages):
         return "modules"
-    raise PartitionError(
-        f"stages mixes kinds ({[type(s).__name__ for s in stages]}): use only names, or only modules/factories"
-    )
+    raise PartitionError(f"stages mixes kinds ({[type(s).__name__ for s in stages]}): use only names, or only "
+                         f"modules/factories")
 
 
 def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     """Resolve ``job.stages`` into :class:`StageSpec` records (master side)."""
     specs = _plan(job, sample)
-    if job.model in COMPILED:
-        warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs the "
-                      "stages uncompiled, with that module's names (no '_orig_mod.' prefix)", stacklevel=2)
+    if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
+        warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
+                      "stages uncompiled, with its names (no '_orig_mod.' prefix)", stacklevel=2)
     return specs
 
 
@@ -190,7 +185,7 @@ def build_stage(job, spec: StageSpec, meta: bool = False, device: torch.device |
     if spec.kind == "traced":  # see [Note: split points on the traced model]
         return _build_traced(job, spec, meta, device)
     if meta and spec.kind != "modules":
-        return _pick(job, spec, meta_model(job))
+        return copy.deepcopy(_pick(job, spec, _meta(job)))  # a part of the one this process keeps
     if spec.kind == "modules":
         torch.manual_seed(job.seed)
         item = job.stages[spec.index]
@@ -218,10 +213,23 @@ def build_empty(job, spec: StageSpec, device: torch.device | str) -> nn.Module |
 
 
 def warm_trace(job, spec: StageSpec) -> None:
-    """Trace the model that ``spec`` was cut from, if it is a traced stage, so that a later build of any stage of
-    it in this process is a build, not a trace (graphs on the meta device: no values are held)."""
+    """Trace the model that ``spec`` was cut from (a traced stage) or keep it on the meta device (by name or slice),
+    so that a later build of any stage of it here skips that (a spare's: 25 ms of 40 for the demo's decoder)."""
     if spec.kind == "traced":
         _traces(_as_cut(job, spec), spec.example)
+    elif spec.kind in ("names", "slice"):
+        _meta(job)
+
+
+def _meta(job) -> nn.Module:
+    """``meta_model(job)``, once per process for a model factory and seed (the last 4); callers copy what they change."""
+    key = (id(job.model), job.seed)
+    entry = _METAS.get(key)
+    if entry is None or entry[0] is not job.model:  # held here: another thread may drop it from the cache
+        entry = _METAS[key] = (job.model, meta_model(job))
+        while len(_METAS) > 4:
+            _METAS.popitem(last=False)
+    return entry[1]
 
 
 def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
@@ -277,6 +285,7 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
 
 
 _TRACES: OrderedDict = OrderedDict()  # the last few traces of this process (see _traces)
+_METAS: OrderedDict = OrderedDict()  # the last few meta models of this process (see _meta)
 
 
 def _traces(job, example: tuple) -> list:

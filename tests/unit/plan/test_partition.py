@@ -101,3 +101,20 @@ def test_bad_declarations():
     for bad in ([], "encoder", 3, ["encoder", nn.Linear(1, 1)]):
         with pytest.raises(PartitionError):
             rpcmp.Job(model=unet, stages=bad)
+
+
+def test_a_warmed_process_builds_empty_stages_without_constructing_the_model_again(monkeypatch):
+    from rpcmp.plan import partition
+    from helpers import load
+    job = load("named")
+    specs = plan_stages(job, torch.zeros(2, 16))
+    made = []
+    monkeypatch.setattr(partition, "meta_model", lambda j: made.append(1) or rpcmp.plan.materialize.meta_model(j))
+    monkeypatch.setattr(partition, "_METAS", type(partition._METAS)())
+    partition.warm_trace(job, specs[1])  # a spare, while it waits
+    first = partition.build_empty(job, specs[1], "cpu")
+    second = partition.build_empty(job, specs[1], "cpu")
+    assert made == [1]  # the model was made on the meta device once, while warming
+    assert {p.device.type for p in [*first.parameters(), *second.parameters()]} == {"cpu"}
+    assert first[0].weight is not second[0].weight  # each build its own copy: the kept model stays on meta
+    assert {p.device.type for p in partition._meta(job).parameters()} == {"meta"}
