@@ -45,7 +45,7 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
             f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
             f"{type(exc).__name__}: {_what_to_do(model, str(exc).strip())}") from None
     _check_reached(type(model).__name__, split, reached)
-    _to_meta(pipe)
+    _back_to_meta(pipe)
     return pipe
 
 
@@ -61,7 +61,7 @@ def _as_cpu(model: nn.Module, sample: Any):
     grouped experts of Hugging Face's MoE models then call ``histc`` on integers, which has no CPU
     kernel, and the stage failed on its first micro-batch. So the trace sees fake tensors of the CPU
     (``FakeTensorMode``: shapes, dtypes and a device, no memory) in place of the meta ones, model and
-    sample; the model gets its meta tensors back after the trace, and :func:`_to_meta` turns what the
+    sample; the model gets its meta tensors back after the trace, and :func:`_back_to_meta` turns what the
     trace kept back into meta tensors and the CPU its graphs name into ``meta``, so that everything after
     the trace sees a graph traced on meta, as before (an owner's device replaces ``meta``: see [Note: a
     traced graph names the device it was traced on] in rpcmp/plan/graphs.py). A stage on a GPU runs the
@@ -71,26 +71,19 @@ def _as_cpu(model: nn.Module, sample: Any):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    made: dict[int, torch.Tensor] = {}  # tied tensors stay one
+
+    def on_cpu(t):
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    fake_of = _each_once(on_cpu)
 
     def fake(t):
-        if not (isinstance(t, torch.Tensor) and t.is_meta):
-            return t
-        if id(t) not in made:
-            with mode:
-                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-            made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
-        return made[id(t)]
-
-    def has_meta(value):
-        return any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(value))
+        return fake_of(t) if isinstance(t, torch.Tensor) and t.is_meta else t
     swapped = []  # (the table, the key, what it held)
-    for module in model.modules():
-        for table in (module._parameters, module._buffers, vars(module)):
-            for key, value in list(table.items()):
-                if key not in _TABLES and has_meta(value):  # a tensor, or a list or dict of them
-                    swapped.append((table, key, value))
-                    table[key] = pytree.tree_map(fake, value)
+    for table, key, value in _entries(model.modules()):
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(value)):  # or a list, a dict
+            swapped.append((table, key, value))
+            table[key] = pytree.tree_map(fake, value)
     try:
         yield pytree.tree_map(fake, sample)
     finally:
@@ -98,22 +91,14 @@ def _as_cpu(model: nn.Module, sample: Any):
             table[key] = t
 
 
-def _to_meta(pipe) -> None:
+def _back_to_meta(pipe) -> None:
     """What the trace kept of the fake tensors, as meta tensors, and ``meta`` where its graphs name the CPU
     (see [Note: traced as if on the CPU])."""
     from torch._subclasses.fake_tensor import FakeTensor
-    made: dict[int, torch.Tensor] = {}
-
-    def meta(t):
-        if id(t) not in made:
-            m = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            made[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-        return made[id(t)]
-    for module in _reachable(pipe.split_gm):
-        for table in (module._parameters, module._buffers, vars(module)):
-            for key, t in list(table.items()):
-                if isinstance(t, torch.Tensor) and not t.is_meta:  # fake, or a constant the trace made from Python
-                    table[key] = meta(t)  # values: unknown on meta, as before (rpcmp.plan.strange says so)
+    meta = _each_once(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    for table, key, t in _entries(_reachable(pipe.split_gm)):
+        if isinstance(t, torch.Tensor) and not t.is_meta:  # fake, or a constant the trace made from Python
+            table[key] = meta(t)  # values: unknown on meta, as before (rpcmp.plan.strange says so)
 
     def meta_val(v):  # the node's fake value, symbolic sizes kept
         if not (isinstance(v, FakeTensor) and v.device.type == "cpu"):
@@ -205,6 +190,27 @@ def _check_reached(model: str, split: SplitAt, reached: list) -> None:
                                       f"{model}.forward never calls {never}" if never else
                                       f"{model}.forward reaches the points in the order {tuple(reached)}: name them "
                                       f"in that order"))
+
+
+def _entries(modules):
+    """(table, key, value) of each parameter, buffer and other attribute of ``modules``."""
+    for module in modules:
+        for table in (module._parameters, module._buffers, vars(module)):
+            for key, value in list(table.items()):
+                if key not in _TABLES:
+                    yield table, key, value
+
+
+def _each_once(make):
+    """``make`` of each tensor, once (tied tensors stay one); of a parameter, a parameter."""
+    made: dict[int, torch.Tensor] = {}
+
+    def convert(t):
+        if id(t) not in made:
+            new = make(t)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+    return convert
 
 
 def _reachable(top: nn.Module) -> list[nn.Module]:

@@ -40,12 +40,17 @@ def test_a_resnet_cut_in_three_keeps_flatten_and_every_name():
     torch.testing.assert_close({k: v for s in stages for k, v in s.state_dict().items()}, whole.state_dict())
 
 
-def test_a_functional_op_in_forward_is_kept():
-    job = rpcmp.Job(model=Classifier, stages=rpcmp.SplitAt("fc2"))
-    x = torch.randn(4, 16)
+def _equals_unsplit(model, point: str, x: torch.Tensor) -> list:
+    """The stages of ``model()`` cut at ``point``, after checking that they compute what the unsplit model does."""
+    job = rpcmp.Job(model=model, stages=rpcmp.SplitAt(point))
     _, stages, out = _compose(job, x)
     torch.manual_seed(job.seed)
-    torch.testing.assert_close(out, Classifier()(x))
+    torch.testing.assert_close(out, model()(x))
+    return stages
+
+
+def test_a_functional_op_in_forward_is_kept():
+    _equals_unsplit(Classifier, "fc2", torch.randn(4, 16))
 
 
 def test_split_at_errors_say_what_and_how():
@@ -263,11 +268,7 @@ class _ByDevice(nn.Module):
 
 
 def test_a_forward_that_chooses_by_device_type_is_traced_as_on_the_cpu():
-    job = rpcmp.Job(model=_ByDevice, stages=rpcmp.SplitAt("layers.1"))
-    x = torch.randn(4, 4)
-    _, stages, out = _compose(job, x)
-    torch.manual_seed(job.seed)
-    torch.testing.assert_close(out, _ByDevice()(x))
+    _equals_unsplit(_ByDevice, "layers.1", torch.randn(4, 4))
 
 
 def test_a_traced_stage_s_missing_kernel_says_how_it_was_traced():
