@@ -268,5 +268,6 @@ class _MicroBatches:
         if i in self.into:
             self.merged[self.before[i]].wait()
             if pipe.optimizer is not None and not self.errors:
-                pipe.sync.merge(pipe, self.ctx_ids, i, self.into[i])
+                ran = not self.gathered or self.roots[i] is not None  # None: its output does not reach the loss
+                pipe.sync.merge(pipe, self.ctx_ids, i, self.into[i], ran)
         self.merged[i].set()

@@ -27,10 +27,11 @@ gradients flow upstream one micro-batch at a time. Within one shared context the
 autograd engine orders nodes by per-thread sequence numbers and runs the nodes that
 received activations over RPC last, so every stage finished all M backward passes before
 sending any gradient upstream, and the drain ran serially.
-As soon as micro-batch i's backward is done (and i - 1's merge, so that the sums always
-add up in the same order), each owner adds its gradients into the first context's
-(:func:`rpcmp.owner.stage.merge_grads`) and the context is released: an owner holds two copies of its gradients
-at a time, not M, and the merges overlap the remaining backward passes. The DistributedOptimizer steps with the
+As soon as micro-batch i's backward has left a stage (and i - 1's is merged, so that the sums
+always add up in the same order), its owner adds its gradients into the first context's, and
+once the master's backward of i is done the context is released: an owner holds two copies of its
+gradients at a time, not M, and the merges overlap the remaining backward passes (see [Note: a
+pipeline's merges where its gradients are made] in :mod:`rpcmp.owner.reduce`). The DistributedOptimizer steps with the
 first context. The loss of micro-batch i is weighted by its share of the batch,
 which is exact for losses that are means over samples (checked on the first step, see
 :func:`rpcmp.master.executor.check_mean_loss`). ``schedule="gpipe"`` computes the loss once on the gathered

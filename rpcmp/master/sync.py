@@ -11,20 +11,30 @@ from __future__ import annotations
 import torch
 
 from ..core.futures import call_each, raise_failures
-from ..owner import live, stage
+from ..owner import grads, live
 
 __all__ = ["LocalMerge", "ReplicaReduce"]
 
 
 class LocalMerge:
-    """One pipeline: nothing to meet, nothing to average."""
+    """One pipeline: nothing to meet, nothing to average; the owners merge the micro-batches'
+    gradients as each backward leaves them (see [Note: a pipeline's merges where its gradients are
+    made] in rpcmp/owner/reduce.py)."""
+
+    def __init__(self):
+        self.told: list[str] = []  # owners told of each micro-batch's end; the others, of the last one's only
 
     def begin(self, pipe, first_seq: int, count: int) -> None:
-        pass
+        if count > 1:
+            told = call_each(pipe.param_owners, grads.begin_merge, (pipe.pid, first_seq, count))
+            self.told = [o for o, needs in zip(pipe.param_owners, told) if needs]
 
-    def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
-        """Add context ``ctx_ids[i]``'s gradients into ``ctx_ids[into]`` on every owner."""
-        call_each(pipe.param_owners, stage.merge_grads, (pipe.pid, ctx_ids[into], ctx_ids[i]))
+    def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:
+        """Micro-batch ``i`` has done its whole backward (``ran``: it had one) and every one before it
+        has been merged: its gradients are in context ``ctx_ids[into]`` on every owner once this returns."""
+        last = i == len(ctx_ids) - 1
+        owners = pipe.param_owners if last or not ran else self.told
+        raise_failures(call_each(owners, grads.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         """The loss the step's policy decides on; None: this copy leaves the decision to another."""
@@ -45,17 +55,17 @@ class ReplicaReduce:
     def begin(self, pipe, first_seq: int, count: int) -> None:
         """The owners learn the step's micro-batches before they arrive (see [Note: the average overlaps
         the backward] in rpcmp/owner/reduce.py)."""
-        fn = live.begin if self.mark else stage.begin_reduce
+        fn = live.begin if self.mark else grads.begin_reduce
         owners = sorted(set(pipe.owners)) if self.mark else pipe.param_owners
         call_each(owners, fn, (pipe.pid, first_seq, count))
 
-    def merge(self, pipe, ctx_ids: list[int], i: int, into: int) -> None:
+    def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:
         """The owners merge as each backward leaves them and start the average when the last has."""
-        raise_failures(call_each(pipe.param_owners, stage.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
+        raise_failures(call_each(pipe.param_owners, grads.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         loss = self.meeting.meet(self.index, loss.detach().float())  # every copy's backward is done
-        raise_failures(call_each(pipe.param_owners, stage.average_grads, (pipe.pid, ctx_id)))
+        raise_failures(call_each(pipe.param_owners, grads.average_grads, (pipe.pid, ctx_id)))
         self.reached = True
         # The copies decide alike on the same mean loss; only the first says so (a warning, an error).
         if self.index and not torch.isfinite(loss).all():
@@ -65,6 +75,6 @@ class ReplicaReduce:
     def settle(self, pipe, wait: bool) -> None:
         """After a failed step of a copy: its stages take part in the step's all_reduce all the same."""
         try:
-            call_each(pipe.param_owners, stage.settle_reduce, (pipe.pid, wait))
+            call_each(pipe.param_owners, grads.settle_reduce, (pipe.pid, wait))
         except Exception:  # noqa: BLE001 - an owner that is gone; the step's own error is the one to report
             pass

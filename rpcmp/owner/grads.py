@@ -1,16 +1,92 @@
-"""The owner's side of the master's gradient policy between backward and optimizer step: the
-global norm for clipping, the scaling it decides, and the gradients of a parameter that two
-stages share (see [Note: a parameter shared by stages] in rpcmp/master/tied.py)."""
+"""The owner's side of a step's gradients between backward and optimizer step: the micro-batches'
+gradients summed as each backward leaves a stage (:class:`rpcmp.owner.reduce.StepMerge`) and, with
+replicas, averaged with the stage's copies (:class:`~rpcmp.owner.reduce.StepReduce`); the global
+norm for clipping, the scaling it decides, and the gradients of a parameter that two stages share
+(see [Note: a parameter shared by stages] in rpcmp/master/tied.py)."""
 from __future__ import annotations
 
 import torch
 import torch.distributed.autograd as dist_autograd
 
+from ..errors import StageError
+from ..core.failure import Failure
 from ..core.served import current
-from .reduce import param_grads
-from .stage import named_params
+from ..plan.placement import MASTER
+from .reduce import StepMerge, StepReduce, param_grads
+from .stage import StageHost, count_reduce, named_params, running_stats
 
-__all__ = ["grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads"]
+__all__ = ["begin_merge", "begin_reduce", "reduce_merged", "average_grads", "settle_reduce",
+           "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads"]
+
+
+def _trainable(host: StageHost) -> dict[str, torch.Tensor]:
+    return {host.spec.prefix + n: p for n, p in host.module.named_parameters() if p.requires_grad}
+
+
+def _where(host: StageHost) -> str:
+    return f"stage {host.spec.index} ({host.spec.name}) on {current().me}"
+
+
+def _hosts(pid: int) -> list[StageHost]:
+    return sorted(current().hosts_of(pid), key=lambda h: h.spec.index)
+
+
+def begin_merge(pid: int, first_seq: int, count: int) -> bool:
+    """A training step of one pipeline begins: its ``count`` micro-batches from ``first_seq`` on, each
+    in its own context; every stage here merges them as their backward leaves it. True: the master
+    must say when each micro-batch's whole backward is done, since a stage here may not learn it
+    itself (see [Note: a pipeline's merges where its gradients are made] in rpcmp/owner/reduce.py)."""
+    hosts = _hosts(pid)
+    for host in hosts:
+        params = _trainable(host)
+        host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts) if params else None
+    return (len(hosts) > 1 or any(h.posts for h in hosts)
+            or any(h.place.process == MASTER and h.next_process is not None for h in hosts))
+
+
+def begin_reduce(pid: int, first_seq: int, count: int) -> None:
+    """A training step of a copy of a replicated pipeline begins (``Job(replicas=R)``): its ``count``
+    micro-batches from ``first_seq`` on, each in its own context.
+    See [Note: the average overlaps the backward] in rpcmp/owner/reduce.py."""
+    served = current()
+    for host in _hosts(pid):
+        params = _trainable(host)
+        if not params:
+            continue
+        count_reduce(host)
+        group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
+        host.reduce = StepReduce(params, _where(host), group, group.size(), first_seq, count,
+                                 hook=not host.posts, stats=running_stats(host.module))
+
+
+def _stepping(pid: int) -> list[StageHost]:
+    return [h for h in _hosts(pid) if h.reduce is not None]
+
+
+def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | None:
+    """The master: micro-batches up to ``upto`` (in ``contexts``) have done their whole backward."""
+    for host in _stepping(pid):
+        host.reduce.left(upto, contexts)
+        if host.reduce.error is not None:
+            return Failure.of(str(host.reduce.error), host.reduce.error)
+    return None
+
+
+def average_grads(pid: int, ctx_id: int) -> Failure | None:
+    """Average this process's gradients of the step with the copies of its stages (``Job(replicas=R)``:
+    see [Note: replicas of a pipeline] in rpcmp/master/replicas.py), into context ``ctx_id``."""
+    for host in _stepping(pid):
+        try:
+            host.reduce.average(ctx_id)
+        except StageError as exc:  # see [Note: failures travel as values]
+            return Failure.of(str(exc), exc)
+    return None
+
+
+def settle_reduce(pid: int, wait: bool) -> None:
+    """A failed step: every stage here takes part in the step's all_reduce (see rpcmp/owner/reduce.py)."""
+    for host in _stepping(pid):
+        host.reduce.settle(wait)
 
 
 def grad_sq_norm(pid: int, ctx_id: int, skip: tuple = ()) -> float:

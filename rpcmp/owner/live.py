@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..core.served import current
 from ..core.store import launch_store
-from . import stage
+from . import grads
 from .state import rng_state, set_rng_state
 
 __all__ = ["begin", "unmark", "regroup"]
@@ -29,13 +29,13 @@ __all__ = ["begin", "unmark", "regroup"]
 
 def begin(pid: int, first_seq: int, count: int) -> None:
     """A step of a copy begins: mark its buffers and generators, then start the step's average
-    (:func:`rpcmp.owner.stage.begin_reduce`)."""
+    (:func:`rpcmp.owner.grads.begin_reduce`)."""
     served = current()
     with torch.no_grad():
         buffers = {h.spec.index: {n: b.detach().clone() for n, b in h.module.named_buffers()}
                    for h in served.hosts_of(pid)}
     served.marks[pid] = (buffers, rng_state())
-    stage.begin_reduce(pid, first_seq, count)
+    grads.begin_reduce(pid, first_seq, count)
 
 
 def unmark(pid: int) -> None:

@@ -1,6 +1,26 @@
-"""The owner side of ``Job(replicas=R)``: one stage's gradients of one training step, summed
-over the step's micro-batches and averaged with the stage's copies, the average started
-while the backward is still running on earlier stages.
+"""One stage's gradients of one training step on its owner: summed over the step's micro-batches
+as each backward leaves the stage (:class:`StepMerge`) and, with ``Job(replicas=R)``, averaged with
+the stage's copies, the average started while the backward is still running on earlier stages
+(:class:`StepReduce`).
+
+[Note: a pipeline's merges where its gradients are made]
+A step of M micro-batches runs each in its own distributed-autograd context (see [Note: one
+context per micro-batch] in rpcmp/master/pipeline.py) and adds micro-batch i's gradients into
+the first one's, in micro-batch order. The master used to ask every owner for each of those
+M - 1 merges, by RPC, once micro-batch i's whole backward had returned: by then the owner's
+gradients of i (a stage's size: 16 MiB for the bench MLP's) had left its cache, and each merge
+was a message each way and a pass over them on an RPC thread while the next backward ran.
+Now the owner learns the step's micro-batches when it begins (:func:`rpcmp.owner.grads.begin_merge`)
+and merges each one on the autograd engine's thread as soon as its backward has left the stage
+(the callback below), on gradients just made; the master says only that the last one is done,
+which returns any merge's error, and keeps saying it of every micro-batch to an owner whose
+stage may not learn it itself (below). The order and the sums are the same: bit-equal runs.
+The master releases micro-batch i's context when its backward has returned there and i - 1's
+merge is done; a stage whose callback ran before an earlier micro-batch's keeps that context's
+gradients (:attr:`StepMerge.held`) until its turn. Single pipelines and replicas now merge alike.
+Its effect on step time is small on one machine (figures: benchmarks/PERFORMANCE.md). Adding each
+large parameter's gradient the moment the engine has made it (a hook on its accumulator, as
+``.grad`` accumulates) was tried and was slower: the add then delays the gradient's send upstream.
 
 [Note: the average overlaps the backward]
 A stage's gradients of a step are final when the step's last micro-batch has left the
@@ -53,7 +73,7 @@ import torch.distributed.autograd as dist_autograd
 from ..errors import StageError
 from ..core.microbatch import tensors
 
-__all__ = ["StepReduce", "param_grads", "add_grads"]
+__all__ = ["StepMerge", "StepReduce", "param_grads", "add_grads"]
 
 
 def param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -72,25 +92,22 @@ def add_grads(base: dict[torch.Tensor, torch.Tensor], more: dict[torch.Tensor, t
         base[param].add_(grad)
 
 
-class StepReduce:
-    """One stage's gradients of one step on its owner (see [Note: the average overlaps the backward])."""
+class StepMerge:
+    """One stage's gradients of one step on its owner, summed over the step's micro-batches into the
+    first one's context as each backward leaves the stage, in micro-batch order (see [Note: the
+    average overlaps the backward] and [Note: a pipeline's merges where its gradients are made])."""
 
-    def __init__(self, params: dict[str, torch.Tensor], where: str, group, copies: int,
-                 first_seq: int, count: int, hook: bool, stats: list[torch.Tensor] = ()):
+    def __init__(self, params: dict[str, torch.Tensor], where: str, first_seq: int, count: int, hook: bool):
         self.names, self.params = list(params), list(params.values())
-        self.stats = list(stats)  # running statistics: every copy takes copy 0's (see [Note: one copy's statistics])
         self._mine = set(self.params)
         self._base: dict | None = None  # the first context's gradients, read once
-        self.where, self.group, self.copies = where, group, copies
+        self.where = where
         self.first, self.count, self.hook = first_seq, count, hook
         self.contexts: dict[int, int] = {}  # micro-batch -> its distributed-autograd context
+        self.held: dict[int, dict] = {}  # micro-batch -> its gradients, taken when its backward left, merged in turn
         self.done: set[int] = set()  # micro-batches whose backward has left this stage
         self.next = 0  # the next micro-batch to merge into the first's context
         self.error: Exception | None = None
-        self.flat = self.work = None
-        self.copy0 = True  # this copy is copy 0 of the stage (known when the all_reduce starts)
-        self.early = False  # the all_reduce was started by the backward, not by the master
-        self.times = [0.0, 0.0, 0.0]  # when the all_reduce started, when the master asked for it, when it ended
         self.closed = False
         self._lock = threading.Lock()
 
@@ -112,26 +129,40 @@ class StepReduce:
     # -- micro-batches done, from the backward or from the master ---------------------------
     def left(self, upto: int, contexts: list[int] | None = None, by_backward: bool = False) -> None:
         """Micro-batch ``upto`` (and, when the master says so with their ``contexts``, every one
-        before it) has left this stage: merge what can be merged, start the average when all have."""
+        before it) has left this stage: merge what can be merged; all merged: :meth:`_all_merged`."""
         with self._lock:
             if self.closed:
                 return
             if contexts is None:
                 self.done.add(upto)
+                if upto > self.next and self.error is None:  # its context may be released before its turn
+                    self.held[upto] = self._grads(upto)
             else:
                 self.contexts.update((i, c) for i, c in enumerate(contexts) if i not in self.contexts)
                 self.done.update(range(upto + 1))
             while self.next < self.count and self.next in self.done:
                 if self.next and self.error is None:
                     self._merge(self.next)
+                self.held.pop(self.next, None)
                 self.next += 1
-            if self.next == self.count and self.work is None:
-                self._start(zeros=self.error is not None)
-                self.early = by_backward
+            if self.next == self.count:
+                self._all_merged(by_backward)
+
+    def _all_merged(self, by_backward: bool) -> None:
+        self.closed = True
 
     def _grads(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
+        if i in self.held:
+            return self.held[i]
         if i:
-            return param_grads(self._mine, self.contexts[i])
+            try:
+                return param_grads(self._mine, self.contexts[i])
+            except RuntimeError as exc:
+                if "Could not find autograd context" not in str(exc):
+                    raise
+                raise StageError(f"{self.where}: micro-batch {i}'s output needed a gradient but its backward never "
+                                 f"reached this stage, and its context is gone: its gradients here cannot be merged. "
+                                 f"Job(microbatches=1) runs such a model without merges") from None
         if self._base is None:  # merges add into these tensors: no parameter joins them later
             self._base = param_grads(self._mine, self.contexts[0])
         return self._base
@@ -139,8 +170,28 @@ class StepReduce:
     def _merge(self, i: int) -> None:
         try:
             add_grads(self._grads(0), self._grads(i), self.where)
-        except Exception as exc:  # noqa: BLE001 - raised by average(); the all_reduce still takes place
+        except Exception as exc:  # noqa: BLE001 - reported by the master's last word on the step
             self.error = exc
+
+
+class StepReduce(StepMerge):
+    """One stage's gradients of one step on its owner, merged and then averaged with the stage's
+    copies (see [Note: the average overlaps the backward])."""
+
+    def __init__(self, params: dict[str, torch.Tensor], where: str, group, copies: int,
+                 first_seq: int, count: int, hook: bool, stats: list[torch.Tensor] = ()):
+        super().__init__(params, where, first_seq, count, hook)
+        self.stats = list(stats)  # running statistics: every copy takes copy 0's (see [Note: one copy's statistics])
+        self.group, self.copies = group, copies
+        self.flat = self.work = None
+        self.copy0 = True  # this copy is copy 0 of the stage (known when the all_reduce starts)
+        self.early = False  # the all_reduce was started by the backward, not by the master
+        self.times = [0.0, 0.0, 0.0]  # when the all_reduce started, when the master asked for it, when it ended
+
+    def _all_merged(self, by_backward: bool) -> None:
+        if self.work is None:
+            self._start(zeros=self.error is not None)
+            self.early = by_backward
 
     def _start(self, zeros: bool) -> None:
         grads = {} if zeros else self._grads(0)

@@ -55,13 +55,13 @@ from ..plan.graphs import described
 from ..plan.partition import StageSpec, build_empty, build_stage, has_batchnorm
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
-from .reduce import StepReduce, add_grads, param_grads
+from .reduce import StepMerge, StepReduce
 from ..core.served import current
 
 # The RPC endpoints the master calls (rpcmp.master.pipeline, rpcmp.master.executor, rpcmp.master.inbox); each finds
 # the stage it acts on in this process's rpcmp.core.served.Served.
-__all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "merge_grads", "begin_reduce", "reduce_merged",
-           "average_grads", "settle_reduce", "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
+__all__ = ["StageHost", "build", "forward", "post", "skip", "resync", "count_reduce",
+           "set_fields", "get_fields", "set_training", "set_trace", "stats", "release", "named_params"]
 
 
 @dataclass
@@ -83,7 +83,7 @@ class StageHost:
     posts: bool = False  # whether it sends values straight to later stages (see [Note: skip values go ...])
     gate: InOrder = field(default=None)  # micro-batches in the master's order
     deliver: Any = None  # the master's endpoint for the last stage's output (rpcmp.master.inbox.deliver)
-    reduce: StepReduce | None = None  # Job(replicas=R): this step's gradients (see [Note: the average overlaps ...])
+    reduce: StepMerge | None = None  # this step's gradients, M > 1 (see [Note: the average overlaps ...] in .reduce)
     reduced: list = field(default_factory=lambda: [0, 0.0, 0.0])  # averages the backward started, seconds, waited
     compute_s: float = 0.0
     runs: int = 0
@@ -259,69 +259,14 @@ def post(pid: int, index: int, seq: int, values: dict) -> None:
         host.gate.receive(seq, values)
 
 
-def merge_grads(pid: int, base_ctx: int, ctx: int) -> None:
-    """Add context ``ctx``'s gradients into ``base_ctx``'s, for one optimizer step.
-
-    ``get_gradients`` hands out the context's own accumulated tensors, so ``add_``
-    updates what the DistributedOptimizer will read from ``base_ctx``.
-    """
-    params = named_params(pid)
-    add_grads(param_grads(params, base_ctx), param_grads(params, ctx), _whoami())
-
-
-def _reducing(pid: int) -> list[StageHost]:
-    return [h for h in sorted(current().hosts_of(pid), key=lambda h: h.spec.index) if h.reduce is not None]
-
-
-def begin_reduce(pid: int, first_seq: int, count: int) -> None:
-    """A training step of a copy of a replicated pipeline begins (``Job(replicas=R)``): its ``count``
-    micro-batches from ``first_seq`` on, each in its own context.
-    See [Note: the average overlaps the backward] in rpcmp/owner/reduce.py."""
-    served = current()
-    for host in sorted(served.hosts_of(pid), key=lambda h: h.spec.index):
-        params = {host.spec.prefix + n: p for n, p in host.module.named_parameters() if p.requires_grad}
-        if not params:
-            continue
-        _count_reduce(host)
-        group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
-        host.reduce = StepReduce(params, f"stage {host.spec.index} ({host.spec.name}) on {_whoami()}",
-                                 group, group.size(), first_seq,
-                                 count, hook=not host.posts,
-                                 stats=running_stats(host.module))
-
-
-def _count_reduce(host: StageHost) -> None:
-    """Add a finished step's average to the stage's figures."""
-    if host.reduce is not None and host.reduce.closed:
-        took, waited = host.reduce.seconds
-        host.reduced = [host.reduced[0] + host.reduce.early, host.reduced[1] + took, host.reduced[2] + waited]
+def count_reduce(host: StageHost) -> None:
+    """Let the last step's gradients go, adding its average (``Job(replicas=R)``) to the stage's figures."""
+    step = host.reduce
+    if isinstance(step, StepReduce) and step.closed:
+        took, waited = step.seconds
+        host.reduced = [host.reduced[0] + step.early, host.reduced[1] + took, host.reduced[2] + waited]
+    if step is not None and step.closed:
         host.reduce = None
-
-
-def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | None:
-    """The master: micro-batches up to ``upto`` (in ``contexts``) have done their whole backward."""
-    for host in _reducing(pid):
-        host.reduce.left(upto, contexts)
-        if host.reduce.error is not None:
-            return Failure.of(str(host.reduce.error), host.reduce.error)
-    return None
-
-
-def average_grads(pid: int, ctx_id: int) -> Failure | None:
-    """Average this process's gradients of the step with the copies of its stages (``Job(replicas=R)``:
-    see [Note: replicas of a pipeline] in rpcmp/master/replicas.py), into context ``ctx_id``."""
-    for host in _reducing(pid):
-        try:
-            host.reduce.average(ctx_id)
-        except StageError as exc:  # see [Note: failures travel as values]
-            return Failure.of(str(exc), exc)
-    return None
-
-
-def settle_reduce(pid: int, wait: bool) -> None:
-    """A failed step: every stage here takes part in the step's all_reduce (see rpcmp/owner/reduce.py)."""
-    for host in _reducing(pid):
-        host.reduce.settle(wait)
 
 
 def set_fields(optim_rref, fields: dict) -> None:
@@ -381,7 +326,7 @@ def stats(pid: int, index: int) -> dict[str, float]:
 
 def _reduce_stats(host: StageHost) -> dict:
     """With replicas: steps whose average the backward started, the averages' seconds and the part waited for."""
-    _count_reduce(host)
+    count_reduce(host)
     early, took, waited = host.reduced
     return {"reduced_early": early, "reduce_s": took, "reduce_wait_s": waited}
 

@@ -22,9 +22,13 @@ class _Recorder(LocalMerge):
     """The fake pipeline's gradient merge: records, does nothing."""
 
     def __init__(self, events):
+        super().__init__()
         self.events = events
 
-    def merge(self, pipe, ctx_ids, i, into):
+    def begin(self, pipe, first_seq, count):
+        pass
+
+    def merge(self, pipe, ctx_ids, i, into, ran=True):
         self.events.append(("merge", i, into, ctx_ids[into]))
 
 

@@ -163,6 +163,58 @@ def test_a_stage_merges_its_micro_batches_in_order_and_averages_once(job):
             t.join(30)
 
 
+def test_a_stage_merges_a_micro_batch_whose_context_is_gone_before_its_turn(job):
+    """rpcmp.owner.reduce.StepMerge alone: micro-batch 2's backward leaves the stage before 0's and 1's
+    and the master releases its context before they are merged; it is merged in its turn all the same,
+    into the sum over the micro-batches in one pass. A micro-batch whose backward never left the stage
+    and whose context is gone is refused by name, not left out."""
+    import threading
+    import torch.distributed.autograd as dist_autograd
+    from rpcmp.errors import StageError
+    from rpcmp.owner.reduce import StepMerge
+    lin = torch.nn.Linear(3, 2)
+    params = {"fc.weight": lin.weight, "fc.bias": lin.bias}
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    ctxs, ready = [None] * 3, [threading.Event() for _ in range(3)]
+    release = [threading.Event() for _ in range(3)]
+
+    def micro(i):  # a context per micro-batch, alive until the test releases it
+        with dist_autograd.context() as ctx:
+            dist_autograd.backward(ctx, [lin(xs[i]).pow(2).sum()])
+            ctxs[i] = ctx
+            ready[i].set()
+            release[i].wait(60)
+    threads = [threading.Thread(target=micro, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        assert all(e.wait(30) for e in ready)
+        step = StepMerge(params, "stage 0", first_seq=0, count=3, hook=False)
+        step.contexts.update(enumerate(ctxs))
+        step.left(2)  # as the backward's callback says it
+        release[2].set()
+        threads[2].join(30)
+        with pytest.raises(RuntimeError, match="Could not find autograd context"):
+            dist_autograd.get_gradients(ctxs[2])
+        step.left(0)
+        step.left(1)
+        assert step.next == 3 and step.closed and step.error is None and not step.held
+        lin.zero_grad()
+        lin(torch.cat(xs)).pow(2).sum().backward()
+        grads = dist_autograd.get_gradients(ctxs[0])
+        assert_close_f32(grads[lin.weight], lin.weight.grad)
+        assert_close_f32(grads[lin.bias], lin.bias.grad)
+        lost = StepMerge(params, "stage 0 (layers) on worker1", first_seq=0, count=3, hook=False)
+        lost.left(0, [ctxs[0]])
+        lost.left(2, ctxs)  # the master's last word: 2's context is gone, and no callback said 2 had left
+        assert isinstance(lost.error, StageError) and "micro-batch 2's output needed a gradient" in str(lost.error)
+    finally:
+        for e in release:
+            e.set()
+        for t in threads:
+            t.join(30)
+
+
 def _tied_layers():
     layers = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Tanh(),
                                  torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 8))
