@@ -73,23 +73,13 @@ import torch.distributed.autograd as dist_autograd
 from ..errors import StageError
 from ..core.microbatch import tensors
 
-__all__ = ["StepMerge", "StepReduce", "param_grads", "add_grads"]
+__all__ = ["StepMerge", "StepReduce", "param_grads"]
 
 
 def param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
     """Context ``ctx_id``'s gradients of ``params`` (not of inputs that needed one while tracing);
     the context's own tensors, so adding into them changes what the optimizer reads."""
     return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
-
-
-def add_grads(base: dict[torch.Tensor, torch.Tensor], more: dict[torch.Tensor, torch.Tensor], where: str) -> None:
-    """Add a later micro-batch's gradients ``more`` into the first's ``base``, for one optimizer step."""
-    for param, grad in more.items():
-        if param not in base:
-            raise StageError(f"a parameter of shape {tuple(param.shape)} on {where} got a gradient from a later "
-                             f"micro-batch but not from the first; use Job(schedule='gpipe') for models whose "
-                             f"micro-batches use different parameters")
-        base[param].add_(grad)
 
 
 class StepMerge:
@@ -169,7 +159,17 @@ class StepMerge:
 
     def _merge(self, i: int) -> None:
         try:
-            add_grads(self._grads(0), self._grads(i), self.where)
+            base, more = self._grads(0), self._grads(i)
+            missing = [name for name, p in zip(self.names, self.params) if p in more and p not in base]
+            if missing:
+                raise StageError(
+                    f"{self.where}: parameter {missing[0]} got a gradient from micro-batch {i} of the step but none "
+                    f"from micro-batch 0. rpcmp sums a step's micro-batches into the first one's gradients, and the "
+                    f"optimizer would skip a parameter that the first did not reach. A model whose micro-batches "
+                    f"reach different parameters (a mixture of experts whose router gives an expert no token of the "
+                    f"first micro-batch, a branch some inputs take) trains with Job(microbatches=1)")
+            for param, grad in more.items():
+                base[param].add_(grad)
         except Exception as exc:  # noqa: BLE001 - reported by the master's last word on the step
             self.error = exc
 

@@ -215,6 +215,48 @@ def test_a_stage_merges_a_micro_batch_whose_context_is_gone_before_its_turn(job)
             t.join(30)
 
 
+class _Branch(torch.nn.Module):
+    """A second layer that only a micro-batch whose first feature sums above zero takes (as a router may
+    give an expert no token of a micro-batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x) if x[:, 0].sum() > 0 else self.a(x)
+
+
+def _branching():
+    return torch.nn.Sequential(_Branch(), torch.nn.Linear(16, 8))
+
+
+def test_a_parameter_the_first_micro_batch_did_not_reach_is_refused_by_name_with_the_way_out(job):
+    branching = dataclasses.replace(job, model=_branching, stages=rpcmp.Split([1, 1]),
+                                    optimizer=(torch.optim.SGD, {"lr": 0.1}))
+    serve(branching)  # the owner (here, the master itself) builds from the job it serves
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    x[:4, 0], x[4:, 0] = -1.0, 1.0  # micro-batch 0 leaves b alone, micro-batch 1 takes it
+    pipe = rpcmp.Pipeline(branching, world_size=1, microbatches=2)
+    with pytest.raises(rpcmp.StageError, match=r"parameter 0\.b\.weight got a gradient from micro-batch 1 of the "
+                                               r"step but none from micro-batch 0.*Job\(microbatches=1\)"):
+        pipe.train_step(x, y)
+    pipe.close()
+    torch.manual_seed(branching.seed)
+    model = _branching()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    one = rpcmp.Pipeline(branching, world_size=1, microbatches=1)  # the way out the error names
+    one.load_state_dict(model.state_dict())
+    loss = one.train_step(x, y)
+    want = branching.loss(model(x), y)
+    want.backward()
+    opt.step()
+    state = one.state_dict()
+    one.close()
+    assert_close_f32(loss, want.detach())
+    assert_close_f32(state, model.state_dict())
+
+
 def _tied_layers():
     layers = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Tanh(),
                                  torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 8))
