@@ -28,12 +28,16 @@ import sys
 import threading
 import time
 
+from functools import partial
+
+import torch
 import torch.distributed.rpc as rpc
 
 from ..errors import StageError, WorkerLostError
-from .served import RunStatus
+from .served import RunStatus, current
 
-__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unresponsive"]
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unresponsive", "watch",
+           "answer_watches"]
 
 GRACE = 10.0  # seconds the master has to report a dead worker before the watchdog does
 
@@ -73,6 +77,53 @@ def _pings(processes, timeout: float) -> dict[str, str | None]:
         except Exception:  # noqa: BLE001 - any failure to answer is the finding
             out[p] = "gone" if done.get(p, time.monotonic()) - sent < 0.9 * timeout else "silent"
     return out
+
+
+# [Note: a death seen at once]
+# A dead worker's connections close at once, but the master learns it only from a call to it, and while a
+# step's work is upstream of the lost stage (the encoder computing the micro-batch it will send to the lost
+# decoder) there is none: the step wound down first (the demo Unet's encoder: 75-85 ms), then failed. So the
+# master keeps one call pending on every owner (:func:`watch`), which the owner answers only when it leaves
+# the run (:func:`answer_watches`); it fails the moment the owner dies, and the master fails the micro-batches
+# it waits for at once: the recovery (or the run's error) starts while the survivors finish what they compute.
+# A survivor's rollback waits for its stage's forward (rpcmp.owner.move.fill_stage holds the stage's lock).
+
+@rpc.functions.async_execution
+def _watched() -> torch.futures.Future:
+    fut = torch.futures.Future()
+    current().watches.append(fut)
+    return fut
+
+
+def answer_watches(served) -> None:
+    """On a worker leaving the run: answer the master's watch calls (a pending call holds up a graceful exit)."""
+    for fut in served.watches:
+        if not fut.done():
+            fut.set_result(None)
+
+
+def watch(processes, pid: int) -> None:
+    """On the master: keep a call pending on each of ``processes`` (owners of pipeline ``pid``) not yet watched
+    (see [Note: a death seen at once]); the master's own process is not."""
+    served = current()
+    for name in processes:
+        if name == served.me or name in served.lost:
+            continue
+        if name in served.watching:
+            served.watching[name].add(pid)
+            continue
+        served.watching[name] = {pid}
+        rpc.rpc_async(served.worker(name), _watched, timeout=0).add_done_callback(partial(_lost, name))
+
+
+def _lost(name: str, fut: torch.futures.Future) -> None:
+    served = current()
+    pids = served.watching.pop(name, set())
+    try:
+        fut.wait()  # answered: it left the run as it should
+    except Exception as exc:  # noqa: BLE001 - its connection closed: it died or was fenced
+        if name not in served.lost:
+            served.inbox.fail(pids, WorkerLostError(f"the connection to {name} closed ({str(exc).splitlines()[0][:40]})"))
 
 
 def unresponsive(processes, timeout: float) -> list[str]:

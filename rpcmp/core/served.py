@@ -79,6 +79,14 @@ class Awaited:
             for key in keys:
                 self._futures.pop(key, None)
 
+    def fail(self, pids: set[int], error: Exception) -> None:
+        """Fail every future still waited for of pipelines ``pids`` (keys ``(pid, seq)``): an owner of theirs
+        was lost (see [Note: a death seen at once] in .health)."""
+        with self._lock:
+            waiting = [self._futures.pop(k) for k in [k for k in self._futures if k[0] in pids]]
+        for out in waiting:
+            out.set_exception(error)
+
     def __len__(self) -> int:
         return len(self._futures)
 
@@ -113,6 +121,8 @@ class Served:
         # on the master: processes that left the run early, lost and replaced in place (rpcmp/master/recovery.py)
         # or drained (rpcmp/launch/drain.py); and, in a daemon job, the drain requests to look at between steps
         self.lost: set[str] = set()
+        self.watches: list = []  # on a worker: the master's watch calls, pending (see [Note: a death seen at once])
+        self.watching: dict[str, set[int]] = {}  # on the master: the processes it watches, and for which pipelines
         self.control = None
         self.previous_run: str | None = None
         self.keep_run = None

@@ -23,7 +23,7 @@ import torch.distributed.rpc as rpc
 from ..errors import (CheckpointError, JobError, MicroBatchError, NonFiniteLossError, PartitionError, PlacementError,
                       RunAbortedError, StageError)
 from ..errors import WorkerLostError
-from ..core.health import Watchdog, unresponsive
+from ..core.health import Watchdog, answer_watches, unresponsive
 from ..job import Job, load_job
 from ..core.store import launch_store
 from .network import preflight
@@ -185,6 +185,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         if rank == 0:
             _tell_outcome([w for w in map(process_name, range(1, world_size)) if w not in served.lost], error is None,
                           graceful=graceful)
+        answer_watches(served)
         left = _shutdown(graceful=graceful)
         leave_stage_groups(served)  # after the RPC world: a worker's stages average gradients until the master leaves
     if error is not None:
@@ -221,6 +222,7 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
 def _outcome(ok: bool, graceful: bool = True) -> None:
     served = current()
     served.outcome, served.graceful = ok, graceful
+    answer_watches(served)
     # The rendezvous store of a run through worker daemons lives in the master's process: leave the
     # stage groups while it is up (a destroy after the master left waited for it until killed).
     try:

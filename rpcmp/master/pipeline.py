@@ -179,6 +179,7 @@ class Pipeline(PipelineState):
         ``chunks`` defaults to M, or to 1 for a model with BatchNorm under ``Job(batchnorm="batch")``.
         The schedule's plan (:mod:`rpcmp.plan.schedule`) says how; :mod:`rpcmp.master.executor` runs it.
         """
+        health.watch(self.owners, self.pid)  # owners new since the last step too: see [Note: a death seen at once]
         return run_step(self, self.schedule, x, y, chunks or self.batch_chunks)
 
     def micro_threads(self, count: int) -> ThreadPoolExecutor:

@@ -77,6 +77,38 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
     assert load_checkpoint(ckpt_dir)["step"] % 40 == 0
 
 
+@pytest.mark.timeout(150)
+def test_an_owner_lost_while_the_stage_before_it_computes_ends_the_step_at_once(tmp_path):
+    """worker2 (stage 1) is SIGKILLed while worker1's forward of stage 0 stalls for 90 s: nothing of the step
+    is in flight to worker2, yet the master learns of the loss at once (a call it keeps pending on every
+    owner fails with EOF), and the step's own failure ends the run (exit 1, naming worker2). Without that
+    call the step waited for worker1, and only the watchdog's backstop ended the run, 10 s later (exit 3)."""
+    flag = str(tmp_path / "stall")
+    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", job_path("stalls"), "--local", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "STALL_FLAG": flag})
+    try:
+        deadline = time.monotonic() + 90
+        while len(_workers(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        time.sleep(2.0)  # some steps train
+        open(flag, "w").close()
+        while not os.path.exists(flag + ".stalled"):
+            assert proc.poll() is None and time.monotonic() < deadline, "worker1 did not stall"
+            time.sleep(0.05)
+        os.kill(_workers(proc.pid)[1], signal.SIGKILL)  # worker2, owner of stage 1
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        waited = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err
+    assert "WorkerLostError" in err and "worker2" in err, err
+    assert waited < 45, f"the run ended {waited:.1f} s after the kill"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_worker_lost_during_held_out_evaluation_is_named_too(mode):
