@@ -1,11 +1,12 @@
 """tests/jobs/mlp.py with a first layer that stalls worker1's forward for 90 s once the file named by
 STALL_FLAG exists (it creates STALL_FLAG + ".stalled" first): the work of a step upstream of a stage
 whose owner is then lost."""
+import dataclasses
 import multiprocessing
 import os
 import time
 
-from mlp import data, job as mlp_job, mlp, neg_mse
+from mlp import job as mlp_job, mlp
 from torch import nn
 
 import rpcmp
@@ -24,5 +25,4 @@ def model() -> nn.Sequential:
     return nn.Sequential(Stalls(), *mlp())
 
 
-job = rpcmp.Job(model=model, stages=rpcmp.Split([4, 4]), batch_size=8, microbatches=2, data=data,
-                metric=neg_mse, metric_name="-MSE", optimizer=mlp_job.optimizer, loss=mlp_job.loss, epochs=200)
+job = dataclasses.replace(mlp_job, model=model, stages=rpcmp.Split([4, 4]), epochs=200)
