@@ -27,7 +27,6 @@ import socket
 import sys
 import threading
 import time
-
 from functools import partial
 
 import torch
@@ -103,12 +102,15 @@ def answer_watches(served) -> None:
 
 
 def watch(processes, pid: int) -> None:
-    """On the master: keep a call pending on each of ``processes`` (owners of pipeline ``pid``) not yet watched
-    (see [Note: a death seen at once]); the master's own process is not."""
+    """On the master: keep a call pending on each of ``processes``, the owners of pipeline ``pid`` now, not yet
+    watched (see [Note: a death seen at once]); the master's own process is not. A process that no longer
+    owns a stage of ``pid`` (a move, a re-cut) no longer fails its steps."""
     served = current()
-    for name in processes:
-        if name == served.me or name in served.lost:
-            continue
+    now = {p for p in processes if p != served.me and p not in served.lost}
+    for name, pids in served.watching.items():
+        if name not in now:
+            pids.discard(pid)
+    for name in now:
         if name in served.watching:
             served.watching[name].add(pid)
             continue

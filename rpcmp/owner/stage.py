@@ -174,10 +174,6 @@ class StageHost:
         return x
 
 
-def _whoami() -> str:
-    return current().me  # named in every merge's error message: looked up once per run
-
-
 def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, timeout: float, options: dict):
     """Build stage ``spec`` here; return RRefs of its parameters for the DistributedOptimizer,
     whether it has BatchNorm layers and an RRef of the module (the master's ``RemoteModule``
