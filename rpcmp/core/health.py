@@ -107,12 +107,13 @@ def watch(processes, pid: int) -> None:
     owns a stage of ``pid`` (a move, a re-cut) no longer fails its steps."""
     served = current()
     now = {p for p in processes if p != served.me and p not in served.lost}
-    for name, pids in served.watching.items():
+    for name, pids in list(served.watching.items()):  # a watch call may fail meanwhile (_lost pops its entry)
         if name not in now:
             pids.discard(pid)
     for name in now:
-        if name in served.watching:
-            served.watching[name].add(pid)
+        pids = served.watching.get(name)
+        if pids is not None:
+            pids.add(pid)
             continue
         served.watching[name] = {pid}
         rpc.rpc_async(served.worker(name), _watched, timeout=0).add_done_callback(partial(_lost, name))
