@@ -153,7 +153,8 @@ class Served:
         return self.hosts[(pid, index)]
 
     def hosts_of(self, pid: int) -> list:
-        return [h for (p, _), h in self.hosts.items() if p == pid]
+        """Pipeline ``pid``'s stages served here, in stage order."""
+        return sorted((h for (p, _), h in self.hosts.items() if p == pid), key=lambda h: h.spec.index)
 
 
 _CURRENT: list[Served] = []  # the one process-wide slot: see [Note: one object per process]

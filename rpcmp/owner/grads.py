@@ -27,16 +27,12 @@ def _where(host: StageHost) -> str:
     return f"stage {host.spec.index} ({host.spec.name}) on {current().me}"
 
 
-def _hosts(pid: int) -> list[StageHost]:
-    return sorted(current().hosts_of(pid), key=lambda h: h.spec.index)
-
-
 def begin_merge(pid: int, first_seq: int, count: int) -> bool:
     """A training step of one pipeline begins: its ``count`` micro-batches from ``first_seq`` on, each
     in its own context; every stage here merges them as their backward leaves it. True: the master
     must say when each micro-batch's whole backward is done, since a stage here may not learn it
     itself (see [Note: a pipeline's merges where its gradients are made] in rpcmp/owner/reduce.py)."""
-    hosts = _hosts(pid)
+    hosts = current().hosts_of(pid)
     for host in hosts:
         params = _trainable(host)
         host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts) if params else None
@@ -49,7 +45,7 @@ def begin_reduce(pid: int, first_seq: int, count: int) -> None:
     micro-batches from ``first_seq`` on, each in its own context.
     See [Note: the average overlaps the backward] in rpcmp/owner/reduce.py."""
     served = current()
-    for host in _hosts(pid):
+    for host in current().hosts_of(pid):
         params = _trainable(host)
         if not params:
             continue
@@ -60,7 +56,7 @@ def begin_reduce(pid: int, first_seq: int, count: int) -> None:
 
 
 def _stepping(pid: int) -> list[StageHost]:
-    return [h for h in _hosts(pid) if h.reduce is not None]
+    return [h for h in current().hosts_of(pid) if h.reduce is not None]
 
 
 def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | None:

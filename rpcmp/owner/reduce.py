@@ -160,10 +160,10 @@ class StepMerge:
     def _merge(self, i: int) -> None:
         try:
             base, more = self._grads(0), self._grads(i)
-            missing = [name for name, p in zip(self.names, self.params) if p in more and p not in base]
-            if missing:
+            if any(p not in base for p in more):
+                name = next(n for n, p in zip(self.names, self.params) if p in more and p not in base)  # module order
                 raise StageError(
-                    f"{self.where}: parameter {missing[0]} got a gradient from micro-batch {i} of the step but none "
+                    f"{self.where}: parameter {name} got a gradient from micro-batch {i} of the step but none "
                     f"from micro-batch 0. rpcmp sums a step's micro-batches into the first one's gradients, and the "
                     f"optimizer would skip a parameter that the first did not reach. A model whose micro-batches "
                     f"reach different parameters (a mixture of experts whose router gives an expert no token of the "

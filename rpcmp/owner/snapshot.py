@@ -41,7 +41,7 @@ def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
         except Exception:  # noqa: BLE001 - its buddy was lost: the recovery sent this stage's copy to the new one
             pass
     futs = []
-    for i, host in enumerate(sorted(served.hosts_of(pid), key=lambda h: h.spec.index)):
+    for i, host in enumerate(served.hosts_of(pid)):
         index = host.spec.index
         data = export_stage(pid, index, optims.get(me), rng=i == 0, copy=True)
         own = served.snapshots.setdefault((pid, index), {})
