@@ -103,6 +103,7 @@ class Served:
         self.outcome: bool | None = None  # on a worker: whether the master said the run ended normally
         self.graceful = True  # on a worker: whether the master said every process takes part in the shutdown
         self.told = threading.Event()  # on a worker: set when the master has said how the run ended
+        self.leave_by = None  # on a worker told the end: set it once left, or the process leaves by itself (.runtime)
         self.device = None  # DDP mode: this rank's device
         self.heartbeats = None  # DDP mode: this rank's rpcmp.core.health.Heartbeats
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
@@ -121,6 +122,7 @@ class Served:
         # on the master: processes that left the run early, lost and replaced in place (rpcmp/master/recovery.py)
         # or drained (rpcmp/launch/drain.py); and, in a daemon job, the drain requests to look at between steps
         self.lost: set[str] = set()
+        self.ended: set[str] = set()  # on the master: the workers that heard the run end normally (see [Note: an end told])
         self.watches: list = []  # on a worker: the master's watch calls, pending (see [Note: a death seen at once])
         self.watching: dict[str, set[int]] = {}  # on the master: the processes it watches, and for which pipelines
         self.control = None

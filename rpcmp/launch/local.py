@@ -84,7 +84,7 @@ def _local_child(job_path, rank, world_size, port, overrides, main, results, par
         if results is not None:
             buf = io.BytesIO()
             torch.save(out, buf)  # bytes, not shared-memory handles that die with this process
-            results.put(("ok", (buf.getvalue(), sorted(current().lost))))
+            results.put(("ok", (buf.getvalue(), sorted(current().lost), sorted(current().ended))))
     except BaseException as exc:
         if results is not None:
             results.put(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -122,13 +122,18 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
         _wait_started(started, procs, deadline)
         if master_in_process:
             result = _master_here(job_path, nprocs, port, main, overrides, procs, deadline, timeout)
-            lost = current().lost
+            lost, ended = current().lost, current().ended
         else:
-            result, lost = _wait_result(results, procs, deadline)
+            result, lost, ended = _wait_result(results, procs, deadline)
         for p in procs:
             p.join(None if deadline is None else max(1.0, deadline - time.monotonic()))
-        # a process the master lost and replaced in place (rpcmp/master/recovery.py) ended as it did
-        bad = [(p.name, p.exitcode) for p in procs if p.exitcode not in (0, None) and p.name not in lost]
+        # a process the master lost and replaced in place (rpcmp/master/recovery.py) ended as it did; so did one
+        # that heard the run end normally (see [Note: an end told] in .ending)
+        for p in procs:
+            if p.exitcode not in (0, None) and p.name in ended - lost:
+                print(f"rpcmp: {p.name} exited with {p.exitcode} after the run had ended normally; the run is complete",
+                      file=sys.stderr, flush=True)
+        bad = [(p.name, p.exitcode) for p in procs if p.exitcode not in (0, None) and p.name not in lost | ended]
         if bad:
             raise RuntimeError(f"local processes exited with errors: {bad}")
         if any(p.is_alive() for p in procs):
@@ -248,5 +253,5 @@ def _wait_result(results, procs, deadline):
             continue
         if status == "error":
             raise RuntimeError(f"the master failed:\n{value}")
-        data, lost = value
-        return torch.load(io.BytesIO(data), weights_only=False), set(lost)
+        data, lost, ended = value
+        return torch.load(io.BytesIO(data), weights_only=False), set(lost), set(ended)

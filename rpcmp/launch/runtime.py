@@ -20,25 +20,20 @@ from typing import Any, Callable
 import torch
 import torch.distributed.rpc as rpc
 
-from ..errors import (CheckpointError, JobError, MicroBatchError, NonFiniteLossError, PartitionError, PlacementError,
-                      RunAbortedError, StageError)
-from ..errors import WorkerLostError
-from ..core.health import Watchdog, answer_watches, unresponsive
+from ..errors import RunAbortedError
+from ..core.health import Watchdog
 from ..job import Job, load_job
 from ..core.store import launch_store
 from .network import preflight
-from ..plan.placement import MASTER, device_maps_for, process_name
+from ..plan.placement import device_maps_for, process_name
 from ..plan.topology import Topology
 from .env import LaunchEnv
-from .groups import join_stage_groups, leave_stage_groups, share_nodes
-from ..core.served import current, serve
-from ..owner.move import leave_soon
+from .groups import join_stage_groups, share_nodes
+from ..core.served import serve
+from .ending import leave_world, serve_until_told
 
-__all__ = ["run_rank", "free_port", "default_threads", "usable_cpus", "serve_until_told"]
+__all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
 
-_SHUTDOWN_TIMEOUT = 30.0
-# errors after which every process still answers
-_ALL_ANSWER = (StageError, JobError, PartitionError, PlacementError, MicroBatchError, NonFiniteLossError, CheckpointError)
 
 
 def _one_malloc_arena() -> None:
@@ -168,26 +163,13 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
                 watchdog.start()
             result = main(job, world_size)
         elif rank != 0:
-            serve_until_told(served, job.rpc_timeout)  # see [Note: a worker serves until the master's word]
+            serve_until_told(served, job.rpc_timeout)  # see [Note: a worker serves until the master's word] in .ending
     except BaseException as exc:  # shut the world down, then re-raise
         error = exc
     finally:
         if watchdog is not None:
             watchdog.stop()
-        # A stage's own failure, or a job the master refuses (a split, a placement, a batch, a loss), leaves every
-        # process answering: leave as after success (no transport noise); a process lost and replaced in place
-        # (rpcmp/master/recovery.py) takes no part in a graceful shutdown. The master's choice is the workers'
-        # (a worker in a graceful shutdown the master skips waits out its timeout).
-        if rank == 0 and error is None:
-            _note_gone_at_end(served, world_size)
-        graceful = served.graceful and not served.lost and (
-            error is None or (isinstance(error, _ALL_ANSWER) and not isinstance(error, WorkerLostError)))
-        if rank == 0:
-            _tell_outcome([w for w in map(process_name, range(1, world_size)) if w not in served.lost], error is None,
-                          graceful=graceful)
-        answer_watches(served)
-        left = _shutdown(graceful=graceful)
-        leave_stage_groups(served)  # after the RPC world: a worker's stages average gradients until the master leaves
+        left = leave_world(served, rank, world_size, error)
     if error is not None:
         raise error
     # The master's word decides: a shutdown that fails after it said "ended normally" (the master
@@ -210,78 +192,6 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
         options.set_device_map(peer, mapping)
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     return topology
-
-
-# [Note: every rank says how the job ended]
-# A worker serves until the master shuts the world down; that shutdown succeeds after a
-# master's failure too (a stage error) or fails (the master died). Either way the worker
-# used to exit 0, and torchrun took its node for finished: under --max-restarts the
-# restarted master then waited for nodes that had gone home. The master now tells every
-# worker whether the run ended normally (rpcmp.core.served.Served.outcome); a worker that was not
-# told so exits 1.
-def _outcome(ok: bool, graceful: bool = True) -> None:
-    served = current()
-    served.outcome, served.graceful = ok, graceful
-    answer_watches(served)
-    # The rendezvous store of a run through worker daemons lives in the master's process: leave the
-    # stage groups while it is up (a destroy after the master left waited for it until killed).
-    try:
-        leave_stage_groups(served)
-    finally:
-        served.told.set()
-    if not graceful:  # see [Note: leaving a world with a lost peer]
-        leave_soon(0 if ok else 1)
-
-
-# [Note: leaving a world with a lost peer]
-# A worker leaves through a graceful ``rpc.shutdown``, whose barrier counts every rank of the
-# world: after a peer was lost and replaced in place (rpcmp/master/recovery.py) or drained, it
-# would wait out the store's timeout (60 s) for the one gone. The master says so with the
-# outcome; the worker then leaves at once, with the exit code of the run, once its answer is on its way.
-
-
-# [Note: a worker serves until the master's word]
-# A worker runs nothing of its own: it answers the master's calls until the master says how the run
-# ended (``_outcome``). It used to wait inside a graceful ``rpc.shutdown``, whose barrier gives up after
-# its timeout (30 s) and goes on to tear the agent down: after torch's wait for the RRefs the master
-# still held (100 s) and the agent's join, every worker of a run longer than about three minutes left,
-# mid-step (the master then failed with EPIPE). The worker now waits for the master's word without a
-# bound and pings the master every few seconds, so that it still leaves when the master is gone: a
-# killed master fails the ping at once, a stopped one after Job.rpc_timeout. Only then does it enter
-# the shutdown, whose barrier the master reaches within moments (or which fails, and the worker
-# exits 1: [Note: every rank says how the job ended]).
-def serve_until_told(served, timeout: float, every: float = 2.0) -> None:
-    """On a worker: return when the master has said how the run ended, or stops answering a ping."""
-    while not served.told.wait(every):
-        if unresponsive([MASTER], timeout):
-            return
-
-
-def _note_gone_at_end(served, world_size: int) -> None:
-    """A worker lost after the run's last step (its checkpoint written) takes nothing from the run: it is named
-    and counted as lost, and the others leave without waiting for it (they waited out the shutdown's timeout,
-    and the local launcher called its exit a failure)."""
-    try:
-        gone = unresponsive([w for w in map(process_name, range(1, world_size)) if w not in served.lost], timeout=3.0)
-    except Exception:  # noqa: BLE001 - the agent itself may be going down: the shutdown says what it finds
-        gone = []
-    for w in gone:
-        print(f"rpcmp: {w} stopped answering after the run's last step; the run is complete", file=sys.stderr, flush=True)
-    served.lost.update(gone)
-
-
-def _tell_outcome(workers: list[str], ok: bool, graceful: bool = True) -> None:
-    futs = []
-    for w in workers:
-        try:
-            futs.append(rpc.rpc_async(w, _outcome, args=(ok, graceful), timeout=5))
-        except Exception:  # noqa: BLE001 - a worker that is gone cannot be told
-            pass
-    for fut in futs:
-        try:
-            fut.wait()
-        except Exception:  # noqa: BLE001 - it then exits 1, as it should
-            pass
 
 
 def _run_ddp_rank(job: Job, rank: int, world_size: int, main, local_rank: int | None) -> Any:
@@ -345,13 +255,3 @@ def _fresh_store_prefix(attempt: int) -> None:
     if attempt and hasattr(rpc, "_init_counter"):
         with rpc._init_counter_lock:
             rpc._init_counter = max(rpc._init_counter, attempt * 1000)
-
-
-def _shutdown(graceful: bool) -> bool:
-    """Leave the RPC world; return whether every peer took part."""
-    try:
-        rpc.shutdown(graceful=graceful, timeout=_SHUTDOWN_TIMEOUT) if graceful else rpc.shutdown(graceful=False)
-        return True
-    except Exception as exc:  # noqa: BLE001 - a peer already gone must not hang or mask the real error
-        print(f"rpcmp: RPC shutdown: {exc}", file=sys.stderr)
-        return False

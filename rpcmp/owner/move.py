@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from typing import Any
 
 import torch
@@ -163,13 +162,27 @@ def set_routes(pid: int, owners: list[str]) -> None:
 def leave_soon(code: int = 0) -> None:
     """This process leaves the run with exit code ``code`` once its answer is on its way: a drained rank
     (rpcmp/launch/drain.py), or any worker after a peer was lost (see [Note: leaving a world with a lost
-    peer] in rpcmp/launch/runtime.py)."""
+    peer] in rpcmp/launch/ending.py)."""
+    leave_after(code, 0.5)
+
+
+def leave_after(code: int, after: float) -> threading.Event:
+    """This process leaves the run with exit code ``code`` in ``after`` seconds unless the event returned is set
+    first (a worker whose shutdown still waits long after the run ended: [Note: an end told] in
+    rpcmp/launch/ending.py)."""
+    me, stay = rpc.get_worker_info().name, threading.Event()
+
     def leave():
-        time.sleep(0.5)
+        if stay.wait(after):
+            return
+        if after > 1:
+            print(f"rpcmp: {me} leaves {after:.0f}s after the run ended, its shutdown still waiting (for a peer gone "
+                  "since)", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     threading.Thread(target=leave, daemon=True).start()
+    return stay
 
 
 def drop_stage(pid: int, index: int) -> None:

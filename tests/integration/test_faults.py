@@ -32,6 +32,14 @@ def _alive(pid):
     return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
 
 
+
+def _kill_worker2(proc, timeout):
+    """SIGKILL worker2 (owner of stage 1); return the run's stderr and the seconds it took to end after the kill."""
+    os.kill(_workers(proc.pid)[1], signal.SIGKILL)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=timeout)
+    return err, time.monotonic() - start
+
 MODES = {"pipeline": (["--local", "3"], 2, "worker1 (stage 0 layers[0:3])"),
          "ddp": (["--local", "2", "--mode", "ddp"], 1, "worker1 (DDP replica)"),
          # 2 replicas x 2 stages: the copy of stage 0 in replica 1 waits in its all_reduce for the lost one
@@ -97,16 +105,38 @@ def test_an_owner_lost_while_the_stage_before_it_computes_ends_the_step_at_once(
         while not os.path.exists(flag + ".stalled"):
             assert proc.poll() is None and time.monotonic() < deadline, "worker1 did not stall"
             time.sleep(0.05)
-        os.kill(_workers(proc.pid)[1], signal.SIGKILL)  # worker2, owner of stage 1
-        start = time.monotonic()
-        _, err = proc.communicate(timeout=120)
-        waited = time.monotonic() - start
+        err, waited = _kill_worker2(proc, 120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, err
     assert "WorkerLostError" in err and "worker2" in err, err
     assert waited < 45, f"the run ended {waited:.1f} s after the kill"
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_in_the_final_shutdown_leaves_the_run_complete(tmp_path):
+    """worker2 is SIGKILLed after it heard the run end, inside the shutdown's barrier: the run ends 0 within
+    seconds with its checkpoint, naming worker2. It used to end 1 ("local processes exited with errors:
+    [('worker2', -9)]"), after the barriers' 30 s and 60 s of waiting."""
+    flag = str(tmp_path / "ended")
+    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", job_path("ends_slowly"), "--local", "3", "--max-steps",
+                             "4", "--checkpoint-dir", str(tmp_path / "run")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "ENDS_FLAG": flag})
+    try:
+        deadline = time.monotonic() + 90
+        while not os.path.exists(flag):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        err, waited = _kill_worker2(proc, 90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert "worker2 exited with -9 after the run had ended normally" in err and "Traceback" not in err, err
+    assert load_checkpoint(str(tmp_path / "run"))["step"] == 4
+    assert waited < 40, f"the run ended {waited:.1f} s after the kill"
+    assert not subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout, "a process was left"
 
 
 @pytest.mark.timeout(120)

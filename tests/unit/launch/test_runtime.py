@@ -1,7 +1,7 @@
 """How many threads a process takes: the cores it may use, not the machine's."""
 import os
 
-from rpcmp.launch import runtime
+from rpcmp.launch import ending, runtime
 
 
 def _cgroup_v2(tmp_path, cpu_max):
@@ -44,13 +44,13 @@ def test_a_worker_serves_until_the_master_says_so_or_stops_answering(monkeypatch
         pings.append((processes, timeout))
         return [] if len(pings) < 5 else processes  # the master answers four pings, then is gone
 
-    monkeypatch.setattr(runtime, "unresponsive", ping)
-    runtime.serve_until_told(served, timeout=7.0, every=0.01)
+    monkeypatch.setattr(ending, "unresponsive", ping)
+    ending.serve_until_told(served, timeout=7.0, every=0.01)
     assert len(pings) == 5 and pings[0] == (["master"], 7.0)  # it outlived four rounds and left on the fifth
 
     pings.clear()
-    monkeypatch.setattr(runtime, "unresponsive", lambda processes, timeout: pings.append(1) or [])
+    monkeypatch.setattr(ending, "unresponsive", lambda processes, timeout: pings.append(1) or [])
     threading.Timer(0.3, served.told.set).start()
     start = time.monotonic()
-    runtime.serve_until_told(served, timeout=7.0, every=0.01)
+    ending.serve_until_told(served, timeout=7.0, every=0.01)
     assert served.told.is_set() and time.monotonic() - start >= 0.25 and len(pings) >= 5
