@@ -101,10 +101,10 @@ def answer_watches(served) -> None:
             fut.set_result(None)
 
 
-def watch(processes, pid: int) -> None:
-    """On the master: keep a call pending on each of ``processes``, the owners of pipeline ``pid`` now, not yet
-    watched (see [Note: a death seen at once]); the master's own process is not. A process that no longer
-    owns a stage of ``pid`` (a move, a re-cut) no longer fails its steps."""
+def watch(processes, pid: int | None) -> None:
+    """On the master: keep a call pending on each of ``processes``, the owners of pipeline ``pid`` now (or, with
+    ``pid`` None, the spares), not yet watched (see [Note: a death seen at once]); the master's own process is
+    not. A process that no longer owns a stage of ``pid`` (a move, a re-cut) no longer fails its steps."""
     served = current()
     now = {p for p in processes if p != served.me and p not in served.lost}
     for name, pids in list(served.watching.items()):  # a watch call may fail meanwhile (_lost pops its entry)
@@ -112,21 +112,29 @@ def watch(processes, pid: int) -> None:
             pids.discard(pid)
     for name in now:
         pids = served.watching.get(name)
-        if pids is not None:
+        if pids is None:
+            pids = served.watching[name] = set()
+            rpc.rpc_async(served.worker(name), _watched, timeout=0).add_done_callback(partial(_lost, name))
+        if pid is not None:
             pids.add(pid)
-            continue
-        served.watching[name] = {pid}
-        rpc.rpc_async(served.worker(name), _watched, timeout=0).add_done_callback(partial(_lost, name))
 
 
 def _lost(name: str, fut: torch.futures.Future) -> None:
+    """A watch call ended: answered (the process left the run as it should), or failed (its connection closed: it
+    died or was fenced). A dead owner fails its pipelines' steps; a dead process that holds no stage (a spare)
+    has left the run (``Served.lost``), and the trainer says so between two steps."""
     served = current()
     pids = served.watching.pop(name, set())
     try:
-        fut.wait()  # answered: it left the run as it should
-    except Exception as exc:  # noqa: BLE001 - its connection closed: it died or was fenced
-        if name not in served.lost:
-            served.inbox.fail(pids, WorkerLostError(f"the connection to {name} closed ({str(exc).splitlines()[0][:40]})"))
+        fut.wait()
+    except Exception as exc:  # noqa: BLE001 - the finding
+        if name in served.lost:
+            return
+        if pids:
+            why = str(exc).splitlines()[0].split(" (this error originated")[0][:60]
+            served.inbox.fail(pids, WorkerLostError(f"the connection to {name} closed ({why})"))
+        else:
+            served.lost.add(name)
 
 
 def unresponsive(processes, timeout: float) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
+import time
 
 import torch.distributed.rpc as rpc
 
@@ -39,11 +40,13 @@ def leave_world(served, rank: int, world_size: int, error: BaseException | None)
         workers = [w for w in map(process_name, range(1, world_size)) if w not in served.lost]
         told = _tell_outcome(workers, error is None, graceful=graceful)
         if error is None:  # see [Note: an end told]
-            served.ended.update(told)
-            _name_gone_at_end(served, [w for w in workers if w not in told])
+            served.ended.update(told if graceful else workers)  # told to leave at once, they may not answer first
+            _name_gone_at_end(served, [w for w in workers if w not in told] if graceful else [])
         if graceful and len(told) < len(workers):  # the barriers would wait for the silent ones: leave at once
             graceful = False
             _tell_outcome(sorted(told), error is None, graceful=False)
+    elif not graceful and served.told.is_set():
+        time.sleep(0.2)  # the answer to the master's word on its way first
     answer_watches(served)
     left = _shutdown(graceful, _TOLD_SHUTDOWN_TIMEOUT if rank == 0 or served.told.is_set() else _SHUTDOWN_TIMEOUT)
     if served.leave_by is not None:

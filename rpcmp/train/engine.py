@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ..core.checkpoint import latest_checkpoint, load_checkpoint
 from ..data import data_loader, epoch_batches, step_groups
-from ..core.health import unresponsive
+from ..core.health import unresponsive, watch
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
 from ..master.livecopy import LiveCopies
@@ -136,7 +136,20 @@ class PipelineEngine:
             warm(self.spares, self.pipe.specs[0])
         if self.snapshots is not None:
             self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
-        return "\n".join(notes) or None
+        return "\n".join(notes + self._spares_lost()) or None
+
+    def _spares_lost(self) -> list[str]:
+        """The spares whose connection closed since the last step leave the list (see [Note: a death seen at once]);
+        the others are watched from now on."""
+        served = current()
+        gone = [s for s in self.spares if s in served.lost]
+        self.spares[:] = [s for s in self.spares if s not in gone]
+        watch(self.spares, None)
+        if not gone:
+            return []
+        left = (f"spares left: {', '.join(self.spares)}" if self.spares else
+                "no spare is left: a lost owner now ends the run (resume from the last checkpoint)")
+        return [f"spare {', '.join(gone)} lost (its connection closed); {left}"]
 
     def _measure(self, control, number: int, nonce: str) -> str | None:
         """``rpcmp rebalance``: measure once from the next step on and re-cut if it pays (answered by :meth:`_once`)."""

@@ -130,6 +130,15 @@ def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_a_lost_spare_is_named_at_once_and_an_owner_lost_later_ends_the_run(tmp_path):
+    code, out = _run_and_hit(tmp_path / "run", [(5, "worker4", signal.SIGKILL), (12, "worker2", signal.SIGKILL)],
+                             "--spares", "1")
+    assert code == 1, out
+    assert "spare worker4 lost (its connection closed); no spare is left" in out, out
+    assert "WorkerLostError" in out and "worker2 (stage 1" in out and "recovered:" not in out, out
+
+
+@pytest.mark.timeout(300)
 def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path, uninterrupted):
     # worker1's copy was kept by worker2, the first lost: it is sent to worker2's spare after the step that
     # follows the first recovery, and is what the second recovery rebuilds stage 0 from.
