@@ -131,10 +131,14 @@ def _lost(name: str, fut: torch.futures.Future) -> None:
         if name in served.lost:
             return
         if pids:
-            why = str(exc).splitlines()[0].split(" (this error originated")[0][:60]
-            served.inbox.fail(pids, WorkerLostError(f"the connection to {name} closed ({why})"))
+            served.inbox.fail(pids, WorkerLostError(f"the connection to {name} closed ({reason(exc)})"))
         else:
             served.lost.add(name)
+
+
+def reason(exc: BaseException) -> str:
+    """An error's first line, short, without where in TensorPipe it arose: for a line that names a loss."""
+    return (str(exc).splitlines() or [""])[0].split(" (this error originated")[0][:60]
 
 
 def unresponsive(processes, timeout: float) -> list[str]:

@@ -50,7 +50,7 @@ import time
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
-from ..core.health import unresponsive
+from ..core.health import reason, unresponsive
 from ..core.served import current
 from ..owner import live
 from ..owner import move as owner_move
@@ -107,7 +107,7 @@ class LiveCopies:
         what = (f"step {position[0] + 1} stood: replica {self.rep.pipes.index(source)} had taken it" if stood
                 else f"step {position[0] + 1} runs again" if in_step else redo)
         return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
-                                    f"{str(error).splitlines()[0][:60]}); replica {r} stage {names} rebuilt on {spare} "
+                                    f"{reason(error)}); replica {r} stage {names} rebuilt on {spare} "
                                     f"from the live copy on {', '.join(source.owners[k] for k in stages)}; no step "
                                     f"lost ({what}){self._refilled(refill, r)}; "
                                     f"{time.perf_counter() - start:.2f} s",

@@ -38,7 +38,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
-from ..core.health import unresponsive
+from ..core.health import reason, unresponsive
 from ..core.checkpoint import CheckpointError, load_checkpoint
 from ..core.served import current
 from ..owner import move as owner_move
@@ -150,7 +150,7 @@ class Snapshots:
             position, source = self._from_checkpoint(gone, spare, stages, ckpt)
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
         return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
-                                   f"{str(error).splitlines()[0][:60]}); stage {names} rebuilt on {spare} from "
+                                   f"{reason(error)}); stage {names} rebuilt on {spare} from "
                                    f"{source}; every stage rolled back to step {position[0]}; "
                                    f"{time.perf_counter() - start:.2f} s")
 
