@@ -7,7 +7,7 @@ alternating launches of the bench's own MLP or split-Unet step (M=4 unless ``--m
 Each launch runs in a fresh interpreter with ``PYTHONPATH`` set to its tree (benchmarks/trees.py), so the tree's
 own ``rpcmp`` is the one imported (and the tree's own ``benchmarks/bench.py`` measures).
 The median over launches of each launch's median step time is reported. ``--replicas 2``:
-the grid bench's 2 replicas x 2 stages layout instead (4 processes, 1 thread each, M=2).
+the grid bench's 2 replicas x 2 stages layout instead (4 processes, 1 thread each; the grid bench has M=2).
 """
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ if __name__ == "__main__":
     overrides = {}
     world = 2 if sys.argv[2] == "mlp" else 3
     if len(sys.argv) > 5:  # the grid bench's 2 x 2 layout
-        world, overrides = 4, {"replicas": int(sys.argv[5]), "threads": 1, "microbatches": 2}
+        world, overrides = 4, {"replicas": int(sys.argv[5]), "threads": 1, "microbatches": int(sys.argv[4])}
         overrides.update({"placement": "auto"} if sys.argv[2] == "mlp" else {"stages": rpcmp.SplitAt("decoder")})
     print("RESULT", launch_local(sys.argv[3], world, main, overrides=overrides, master_in_process=False))
 '''

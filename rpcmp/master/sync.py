@@ -16,6 +16,14 @@ from ..owner import grads, live
 __all__ = ["LocalMerge", "ReplicaReduce"]
 
 
+def _merged(pipe, told: list[str], ctx_ids: list[int], i: int, ran: bool) -> None:
+    """Micro-batch ``i`` has done its whole backward (``ran``: it had one) and every one before it has
+    been merged: say so to the owners that cannot learn it themselves (``told``), and to every owner of
+    parameters for the last micro-batch or one without a backward; return once they have merged it."""
+    owners = pipe.param_owners if i == len(ctx_ids) - 1 or not ran else told
+    raise_failures(call_each(owners, grads.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
+
+
 class LocalMerge:
     """One pipeline: nothing to meet, nothing to average; the owners merge the micro-batches'
     gradients as each backward leaves them (see [Note: a pipeline's merges where its gradients are
@@ -30,11 +38,8 @@ class LocalMerge:
             self.told = [o for o, needs in zip(pipe.param_owners, told) if needs]
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:
-        """Micro-batch ``i`` has done its whole backward (``ran``: it had one) and every one before it
-        has been merged: its gradients are in context ``ctx_ids[into]`` on every owner once this returns."""
-        last = i == len(ctx_ids) - 1
-        owners = pipe.param_owners if last or not ran else self.told
-        raise_failures(call_each(owners, grads.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
+        """Micro-batch ``i``'s gradients are in context ``ctx_ids[into]`` on every owner once this returns."""
+        _merged(pipe, self.told, ctx_ids, i, ran)
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         """The loss the step's policy decides on; None: this copy leaves the decision to another."""
@@ -51,17 +56,19 @@ class ReplicaReduce:
         self.index, self.meeting = index, meeting  # meeting: the rpcmp.master.replicas.ReplicaSync of the copies
         self.mark = False  # with spares: every owner marks the step's start (see [Note: a step marked, to be run again])
         self.reached = False  # this step's gradients are averaged: from here on the optimizer may change the stages
+        self.told: list[str] = []  # as LocalMerge's
 
     def begin(self, pipe, first_seq: int, count: int) -> None:
         """The owners learn the step's micro-batches before they arrive (see [Note: the average overlaps
         the backward] in rpcmp/owner/reduce.py)."""
         fn = live.begin if self.mark else grads.begin_reduce
         owners = sorted(set(pipe.owners)) if self.mark else pipe.param_owners
-        call_each(owners, fn, (pipe.pid, first_seq, count))
+        needs = call_each(owners, fn, (pipe.pid, first_seq, count))
+        self.told = [o for o, n in zip(owners, needs) if n and o in pipe.param_owners]
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:
         """The owners merge as each backward leaves them and start the average when the last has."""
-        raise_failures(call_each(pipe.param_owners, grads.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
+        _merged(pipe, self.told, ctx_ids, i, ran)
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         loss = self.meeting.meet(self.index, loss.detach().float())  # every copy's backward is done

@@ -36,16 +36,23 @@ def begin_merge(pid: int, first_seq: int, count: int) -> bool:
     for host in hosts:
         params = _trainable(host)
         host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts) if params else None
+    return _needs_word(hosts)
+
+
+def _needs_word(hosts: list[StageHost]) -> bool:
+    """Whether the stages here may not learn by themselves that a micro-batch's whole backward is done: two
+    stages here, a posting stage, or a stage of the master's that is not the last."""
     return (len(hosts) > 1 or any(h.posts for h in hosts)
             or any(h.place.process == MASTER and h.next_process is not None for h in hosts))
 
 
-def begin_reduce(pid: int, first_seq: int, count: int) -> None:
+def begin_reduce(pid: int, first_seq: int, count: int) -> bool:
     """A training step of a copy of a replicated pipeline begins (``Job(replicas=R)``): its ``count``
-    micro-batches from ``first_seq`` on, each in its own context.
+    micro-batches from ``first_seq`` on, each in its own context. True as for :func:`begin_merge`.
     See [Note: the average overlaps the backward] in rpcmp/owner/reduce.py."""
     served = current()
-    for host in current().hosts_of(pid):
+    hosts = served.hosts_of(pid)
+    for host in hosts:
         params = _trainable(host)
         if not params:
             continue
@@ -53,6 +60,7 @@ def begin_reduce(pid: int, first_seq: int, count: int) -> None:
         group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, _where(host), group, group.size(), first_seq, count,
                                  hook=not host.posts, stats=running_stats(host.module))
+    return _needs_word(hosts)
 
 
 def _stepping(pid: int) -> list[StageHost]:

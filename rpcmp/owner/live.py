@@ -27,15 +27,15 @@ from .state import rng_state, set_rng_state
 __all__ = ["begin", "unmark", "regroup"]
 
 
-def begin(pid: int, first_seq: int, count: int) -> None:
+def begin(pid: int, first_seq: int, count: int) -> bool:
     """A step of a copy begins: mark its buffers and generators, then start the step's average
-    (:func:`rpcmp.owner.grads.begin_reduce`)."""
+    (:func:`rpcmp.owner.grads.begin_reduce`, whose answer this is)."""
     served = current()
     with torch.no_grad():
         buffers = {h.spec.index: {n: b.detach().clone() for n, b in h.module.named_buffers()}
                    for h in served.hosts_of(pid)}
     served.marks[pid] = (buffers, rng_state())
-    grads.begin_reduce(pid, first_seq, count)
+    return grads.begin_reduce(pid, first_seq, count)
 
 
 def unmark(pid: int) -> None:
