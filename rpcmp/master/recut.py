@@ -37,6 +37,7 @@ import time
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
+from ..core.health import unresponsive
 from ..core.served import current
 from ..errors import JobError, RpcmpError
 from ..owner import move as owner_move
@@ -78,22 +79,31 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
     wait_all([rpc.rpc_async(owners[k], owner_move.rekey, args=(old_pid, pipe.pid, k)) for k in range(len(specs)) if same[k]])
     try:
         built = build_many(pipe, {k: pipe.places[k] for k in range(len(specs)) if not same[k]}, owners)
-    except Exception:  # an owner could not build its new part: the pipeline stays as it was cut
-        wait_all([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(pipe.pid, k)) for k in range(len(specs))
-                  if not same[k]])
-        wait_all([rpc.rpc_async(owners[k], owner_move.rekey, args=(pipe.pid, old_pid, k)) for k in range(len(specs))
-                  if same[k]])
+        wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
+                                args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims,
+                                      _aliases(pipe.job)))
+                  for k in built])
+    except Exception:  # an owner could not build or fill its new part, or was lost: the pipeline stays as it was cut
+        _undo(pipe, old_pid, owners, same)
         pipe.pid, pipe.specs = old_pid, old_specs
         raise
-    wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
-                            args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims,
-                                  _aliases(pipe.job)))
-              for k in built])
     wait_all([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(old_pid, k)) for k in built])
     for k, b in built.items():
         install(pipe, k, pipe.places[k], b)
     new_optimizer(pipe, optims, {owners[k] for k in built})
     return time.perf_counter() - start
+
+
+def _undo(pipe, old_pid: int, owners: list[str], same: list[bool]) -> None:
+    """A re-cut that failed before the old parts were dropped: the new parts go, the kept ones take their old key
+    again. An owner lost meanwhile fails its calls; the rest are undone all the same (the next step meets the
+    loss, and with spares recovers from it: the snapshots are of the pipeline as it was cut)."""
+    for fn, args in [(owner_move.drop_stage, lambda k: (pipe.pid, k)), (owner_move.rekey, lambda k: (pipe.pid, old_pid, k))]:
+        keep = fn is owner_move.rekey
+        try:
+            wait_all([rpc.rpc_async(owners[k], fn, args=args(k)) for k in range(len(owners)) if same[k] == keep])
+        except Exception:  # noqa: BLE001 - a lost owner: see the docstring
+            pass
 
 
 def _checked(specs, cut) -> tuple[str, ...] | list[int]:
@@ -147,12 +157,16 @@ class Rebalancer:
         if step < self.warmup:
             return None
         if self.since is None:
-            self.since = (step, self.measured.stats())
+            stats = self._stats()
+            self.since = None if stats is None else (step, stats)
             return None
         if step - self.since[0] < self.window:
             return None
-        busy = _busy(self.since[1], self.measured.stats(), self.measured.owners)
+        stats, (_, before) = self._stats(), self.since
         self.since = None
+        if stats is None:
+            return None
+        busy = _busy(before, stats, self.measured.owners)
         balance, now, then = self.propose(busy)
         if balance is None:
             self.decided = (f"kept balance {list(self.balance)} after step {step}: no cut it has not had predicts the "
@@ -162,14 +176,30 @@ class Rebalancer:
         self.had.add(balance)
         try:
             took = self.pipe.recut(self.units.cut(balance))
-        except RpcmpError as exc:  # the pipeline is as it was: training goes on with it
-            self.decided = (f"kept balance {list(before)} after step {step}: the re-cut to {list(balance)} failed: "
-                            f"{str(exc).splitlines()[0][:300]}")
+        except Exception as exc:  # noqa: BLE001 - the pipeline is as it was: training goes on with it
+            why = str(exc).splitlines()[0][:300]
+            if not isinstance(exc, RpcmpError):
+                lost = unresponsive(sorted(set(self.measured.owners)), timeout=3.0)
+                if not lost:
+                    raise  # not a loss the next step meets
+                self.had.discard(balance)  # a cut that may still pay once the lost owner is replaced
+                why = f"{', '.join(lost)} was lost meanwhile (the next step meets it)"
+            self.decided = f"kept balance {list(before)} after step {step}: the re-cut to {list(balance)} failed: {why}"
             return self.decided
         self.decided = (f"re-cut after step {step}: balance {list(before)} -> {list(balance)}{self._at(balance)} "
                         f"(slowest stage predicted "
                         f"{then:.3f} s of work per window instead of {now:.3f} s) in {took:.2f} s")
         return self.decided
+
+    def _stats(self) -> list | None:
+        """The stages' figures now; None where an owner was lost meanwhile: the next step meets the loss (and,
+        with spares, recovers from it), and the measurement starts again after it."""
+        try:
+            return self.measured.stats()
+        except Exception:  # noqa: BLE001 - a lost owner, or re-raised as it was
+            if not unresponsive(sorted(set(self.measured.owners)), timeout=3.0):
+                raise
+            return None
 
     def _at(self, balance: tuple[int, ...]) -> str:
         """Where a SplitAt is cut for ``balance``: its points, as the log says them."""

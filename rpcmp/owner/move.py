@@ -143,9 +143,14 @@ def _by_name(table: dict[str, Any], name: str, aliases: dict[str, tuple[str, ...
 
 
 def rekey(old_pid: int, pid: int, index: int) -> None:
-    """A stage that a re-cut leaves as it is joins the re-cut pipeline ``pid`` unchanged (no copy)."""
-    hosts = current().hosts
-    current().snapshots.pop((old_pid, index), None)  # of the pipeline before the re-cut: a new one is taken
+    """A stage that a re-cut leaves as it is joins the re-cut pipeline ``pid`` unchanged (no copy), and its own
+    snapshots with it: a re-cut that fails (an owner lost) keys them back, and its recovery needs them; after
+    one that succeeds they never make a whole snapshot with the rebuilt stages, which have none of their steps."""
+    served = current()
+    hosts = served.hosts
+    snaps = served.snapshots.pop((old_pid, index), None)
+    if snaps is not None:
+        served.snapshots[(pid, index)] = snaps
     host = hosts.pop((old_pid, index))
     host.pid = pid
     hosts[(pid, index)] = host
