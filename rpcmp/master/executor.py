@@ -174,10 +174,13 @@ class _MicroBatches:
         self.merged = [threading.Event() for _ in range(m)]
         futs = [pipe.micro_threads(m).submit(self._micro, i) for i in range(m)]
         try:
-            self.backward_done.wait()
+            try:
+                self.backward_done.wait()
+            except threading.BrokenBarrierError:
+                return  # a micro-batch failed: run() raises its error
+            # Not under the except above: a copy whose meeting with the others broke (Job(replicas=R): another
+            # copy failed) did not take the step, and must not return as if it had.
             pipe.apply_step(self.ctx_ids[0], self._total())
-        except threading.BrokenBarrierError:
-            pass
         finally:
             self.stepped.set()
             for f in futs:

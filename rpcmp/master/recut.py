@@ -179,7 +179,7 @@ class Rebalancer:
         except Exception as exc:  # noqa: BLE001 - the pipeline is as it was: training goes on with it
             why = str(exc).splitlines()[0][:300]
             if not isinstance(exc, RpcmpError):
-                lost = unresponsive(sorted(set(self.measured.owners)), timeout=3.0)
+                lost = unresponsive(self._owners(), timeout=3.0)
                 if not lost:
                     raise  # not a loss the next step meets
                 self.had.discard(balance)  # a cut that may still pay once the lost owner is replaced
@@ -197,9 +197,13 @@ class Rebalancer:
         try:
             return self.measured.stats()
         except Exception:  # noqa: BLE001 - a lost owner, or re-raised as it was
-            if not unresponsive(sorted(set(self.measured.owners)), timeout=3.0):
+            if not unresponsive(self._owners(), timeout=3.0):
                 raise
             return None
+
+    def _owners(self) -> list[str]:
+        """Every owner of the pipeline's stages, of every copy."""
+        return sorted({o for p in getattr(self.pipe, "pipes", [self.pipe]) for o in p.owners})
 
     def _at(self, balance: tuple[int, ...]) -> str:
         """Where a SplitAt is cut for ``balance``: its points, as the log says them."""

@@ -49,7 +49,7 @@ from ..core import health
 from ..core.futures import wait_all
 from ..core.microbatch import batch_size
 from ..core.served import current
-from ..errors import JobError
+from ..errors import JobError, WorkerLostError
 from ..owner import live
 from ..plan.placement import Place
 from ..plan.topology import Topology
@@ -74,7 +74,7 @@ class ReplicaSync:
 
     def __init__(self, copies: int, timeout: float | None = None):
         self.copies, self._losses = copies, [None] * copies
-        self._barrier = threading.Barrier(copies, timeout=timeout)
+        self._barrier, self.timeout = threading.Barrier(copies, timeout=timeout), timeout or 0.0
         self.mean: torch.Tensor | None = None  # of the last meeting: the step's loss
 
     def meet(self, index: int, loss: torch.Tensor) -> torch.Tensor:
@@ -160,8 +160,17 @@ class Replicated:
         """Re-cut every copy alike between two steps (:func:`rpcmp.master.recut.recut`); the seconds it took.
         A re-cut moves layers, not stages: the copies of stage k stay on their processes and average in the
         group they had. One copy after the other: the master traces a ``SplitAt``'s new cut once."""
-        start = time.perf_counter()
-        if not any([recut.recut(p, cut, copy_of=True) for p in self.pipes]):
+        start, specs, done = time.perf_counter(), self.pipes[0].specs, []
+        was = specs[0].cut if specs[0].kind == "traced" else [s.stop - s.start for s in specs]
+        for p in self.pipes:
+            try:
+                done.append(recut.recut(p, cut, copy_of=True))
+            except Exception:  # this copy is as it was cut (an owner lost meanwhile): so are the ones before it again
+                for q, moved in zip(self.pipes, done):
+                    if moved:
+                        recut.recut(q, was, copy_of=True)
+                raise
+        if not any(done):
             return 0.0
         self.label_stages()
         return time.perf_counter() - start
@@ -222,6 +231,9 @@ class Replicated:
                 pass
             except BaseException as exc:  # noqa: BLE001 - the first real failure is re-raised
                 errors.append(exc)
+        if len(losses) < self.copies and not errors:  # every meeting broke, and no copy failed: it timed out
+            errors.append(WorkerLostError(f"the {self.copies} copies did not all meet within {self.meeting.timeout:.0f} s "
+                                          f"to average their gradients: a copy's step hung (--hang-timeout)"))
         if errors:
             self._all(lambda i, p: p.settle_reduce(wait=True))  # every collective of the step has ended
             raise errors[0]

@@ -234,6 +234,25 @@ def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_
 
 
 @pytest.mark.timeout(300)
+def test_a_copy_that_fails_before_the_copies_meet_leaves_no_other_copy_counting_the_step_as_taken(tmp_path):
+    """Two copies of three stages (SGD with momentum, M=4) and a spare; copy 1's first owner is SIGKILLed as step
+    11 starts, while copy 0 computes or waits to meet it. Copy 0's meeting breaks, and it used to return as if it
+    had taken the step: the step 'stood' with nobody having taken it, one step skipped, the model off by it,
+    and nothing said."""
+    grid = ["--local", "8", "--replicas", "2", "--spares", "1"]
+    clean = subprocess.run(_command(tmp_path / "clean", *grid, job="uneven"), capture_output=True, text=True,
+                           timeout=240)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    code, out = _run_and_hit(tmp_path / "run", [(10, "worker2", signal.SIGKILL)], *grid, job="uneven")
+    assert code == 0, out
+    assert out.count("recovered: worker2 was lost") == 1 and "no step lost" in out, out
+    got, want = _losses(tmp_path / "run"), _losses(tmp_path / "clean")
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]))
+    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], load_checkpoint(str(tmp_path / "clean"))["model"])
+
+
+@pytest.mark.timeout(300)
 def test_an_owner_lost_in_its_optimizer_step_while_the_other_copy_steps_loses_no_step(tmp_path, replicated_clean):
     """The owner dies inside its optimizer step: the copies have met and averaged, the other copy takes the
     step (and its own copy's other owner may have taken it too): the step stands, taken from the other copy."""

@@ -67,15 +67,18 @@ def test_rebalance_re_cuts_an_uneven_split_by_itself_and_trains_the_same_model(t
 
 
 @pytest.mark.timeout(300)
-def test_an_owner_lost_as_the_run_measures_or_re_cuts_itself_is_replaced_and_the_model_is_an_undisturbed_run_s(tmp_path):
+@pytest.mark.parametrize("copies", [[], ["--local", "8", "--replicas", "2"]], ids=["one-pipeline", "replicas"])
+def test_an_owner_lost_as_the_run_measures_or_re_cuts_itself_is_replaced_and_the_model_is_an_undisturbed_run_s(tmp_path,
+                                                                                                             copies):
     """worker2 is SIGKILLed once step 10 is recorded: as the re-balancer measures the stages, re-cuts them (its
-    new part half built: the re-cut is undone on the others, the snapshots kept with the stages it left as they
-    were) or in the next step. The spare takes over and the run ends with the model of a run left alone."""
-    plain = subprocess.run(_command(tmp_path / "plain", "--spares", "1", job="uneven"), capture_output=True, text=True,
-                           timeout=240)
+    new part half built: the re-cut is undone on the others, and on the copies re-cut before; the snapshots kept
+    with the stages it left as they were) or in the next step. The spare takes over (from the last snapshot, or
+    from the live copy) and the run ends with the model of the same run left alone."""
+    plain = subprocess.run(_command(tmp_path / "plain", "--spares", "1", *copies, job="uneven"), capture_output=True,
+                           text=True, timeout=240)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     code, out = _run_and_hit(tmp_path / "hit", [(10, "worker2", signal.SIGKILL)], "--spares", "1", "--rebalance",
-                             job="uneven")
+                             *copies, job="uneven")
     assert code == 0, out
     assert out.count("recovered: worker2 was lost") == 1 and "re-cut after step" in out, out
     assert_close_f32(load_checkpoint(str(tmp_path / "hit"))["model"], load_checkpoint(str(tmp_path / "plain"))["model"])
