@@ -138,7 +138,7 @@ def _lost(name: str, fut: torch.futures.Future) -> None:
 
 def reason(exc: BaseException) -> str:
     """An error's first line, short, without where in TensorPipe it arose: for a line that names a loss."""
-    return (str(exc).splitlines() or [""])[0].split(" (this error originated")[0][:60]
+    return (str(exc).splitlines() or [""])[0].split(" (this error originated")[0][:100]
 
 
 def unresponsive(processes, timeout: float) -> list[str]:
