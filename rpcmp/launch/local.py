@@ -125,8 +125,8 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
             lost, ended = current().lost, current().ended
         else:
             result, lost, ended = _wait_result(results, procs, deadline)
-        for p in procs:
-            p.join(None if deadline is None else max(1.0, deadline - time.monotonic()))
+        for p in sorted(procs, key=lambda p: p.name in lost):  # a lost one is no part of the run: it does not hold up its end
+            _end_lost(p) if p.name in lost else p.join(None if deadline is None else max(1.0, deadline - time.monotonic()))
         # a process the master lost and replaced in place (rpcmp/master/recovery.py) ended as it did; so did one
         # that heard the run end normally (see [Note: an end told] in .ending)
         for p in procs:
@@ -237,6 +237,16 @@ class _Deadline:
     def cancel(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
+
+
+def _end_lost(p, grace: float = 5.0) -> None:
+    """A process the run lost (stopped, hung, drained) that has not exited a few seconds after the others: kill it
+    (a SIGSTOPped one held the launcher's join forever)."""
+    p.join(grace)
+    if p.is_alive():
+        print(f"rpcmp: {p.name}, lost by the run, still there after it ended: killed", file=sys.stderr, flush=True)
+        p.kill()
+        p.join(grace)
 
 
 def _wait_result(results, procs, deadline):

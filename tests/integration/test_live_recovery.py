@@ -129,6 +129,16 @@ def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
     assert "WorkerLostError" in out and "worker2 (stage 1" in out and "recovered" not in out, out
 
 
+@pytest.mark.timeout(200)
+def test_a_spare_stopped_while_the_run_trains_does_not_hold_up_its_end(tmp_path, uninterrupted):
+    """SIGSTOP of the spare: the run trains on (it never needed it), names it as gone at the end and kills it;
+    the launcher used to wait for it forever."""
+    code, out = _run_and_hit(tmp_path / "run", [(5, "worker4", signal.SIGSTOP)], "--spares", "1", timeout=90)
+    assert code == 0, out
+    assert "worker4 stopped answering after the run's last step" in out and "worker4, lost by the run" in out, out
+    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], uninterrupted["model"])
+
+
 @pytest.mark.timeout(300)
 def test_a_language_model_s_first_stage_lost_with_its_tied_embedding_is_rebuilt_and_equals_an_uninterrupted_run(tmp_path):
     """Hugging Face GPT-2 built from its config, cut in 3 on the traced graph: stage 0 holds wte, which the last
