@@ -1,1 +1,1 @@
-"""Starting processes: the rank runtime, the local launcher, worker daemons, the network, the doctor."""
+"""Starting processes: the rank runtime and its ending, the local launcher, worker daemons, the network, the doctor."""

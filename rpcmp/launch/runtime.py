@@ -3,8 +3,8 @@
 Every process runs :func:`run_rank`: it imports the job, sets its thread count,
 joins the TensorPipe RPC world as ``master`` (rank 0) or ``worker{rank}``, and then
 either drives (rank 0 calls ``main(pipeline_factory)``) or serves stages until the
-master shuts the world down. :func:`rpcmp.launch.local.launch_local` starts N such processes on
-this machine.
+master shuts the world down (how it leaves the world: :mod:`rpcmp.launch.ending`).
+:func:`rpcmp.launch.local.launch_local` starts N such processes on this machine.
 """
 from __future__ import annotations
 
