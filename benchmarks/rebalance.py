@@ -32,6 +32,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from recovery import descendant  # benchmarks/recovery.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "benchmarks", "jobs", "uneven_mlp.py")
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
@@ -63,23 +65,11 @@ def _cap(pid: int, share: float, groups: list[str]) -> None:
 
 
 def _stage_processes(root: int, count: int) -> list[int]:
-    """The processes rpcmp-worker1 .. rpcmp-worker{count} that descend from ``root``."""
-    def parent(pid: str) -> int:
-        return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            name = open(f"/proc/{pid}/comm").read().strip()
-            if not name.startswith("rpcmp-worker"):
-                continue
-            up = parent(pid)
-            while up > 1 and up != root:
-                up = parent(str(up))
-            if up == root:
-                found[name] = int(pid)
-        except (OSError, ValueError, IndexError):
-            pass
-    return [found[f"rpcmp-worker{r}"] for r in range(1, count + 1) if f"rpcmp-worker{r}" in found]
+    """The processes rpcmp-worker1 .. rpcmp-worker{count} of the run started as ``root``, once all are there."""
+    try:
+        return [descendant(root, f"worker{r}") for r in range(1, count + 1)]
+    except RuntimeError:  # not all started yet
+        return []
 
 
 def _run(balance: str, steps: int, metrics: str, *extra: str, share: float = 0.0) -> tuple[list[dict], str]:

@@ -47,7 +47,7 @@ def _steps(path: str) -> list[dict]:
     return [r for r in _records(path) if r.get("kind") == "step"]
 
 
-def _victim(root: int, name: str) -> int:
+def descendant(root: int, name: str) -> int:
     """The process of the run started as ``root`` that names itself ``rpcmp-NAME`` (a descendant of it)."""
     def parent(pid: str) -> int:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
@@ -72,7 +72,7 @@ def _run(args: list[str], metrics: str, kill_at: int | None) -> tuple[int, float
     killed = None
     while kill_at is not None and killed is None and proc.poll() is None:
         if len(_steps(metrics)) >= kill_at:
-            os.kill(_victim(proc.pid, "worker2"), signal.SIGKILL)
+            os.kill(descendant(proc.pid, "worker2"), signal.SIGKILL)
             killed = time.time()
         time.sleep(0.01)
     out, _ = proc.communicate(timeout=1800)

@@ -98,12 +98,16 @@ def _undo(pipe, old_pid: int, owners: list[str], same: list[bool]) -> None:
     """A re-cut that failed before the old parts were dropped: the new parts go, the kept ones take their old key
     again. An owner lost meanwhile fails its calls; the rest are undone all the same (the next step meets the
     loss, and with spares recovers from it: the snapshots are of the pipeline as it was cut)."""
-    for fn, args in [(owner_move.drop_stage, lambda k: (pipe.pid, k)), (owner_move.rekey, lambda k: (pipe.pid, old_pid, k))]:
-        keep = fn is owner_move.rekey
-        try:
-            wait_all([rpc.rpc_async(owners[k], fn, args=args(k)) for k in range(len(owners)) if same[k] == keep])
-        except Exception:  # noqa: BLE001 - a lost owner: see the docstring
-            pass
+    stages = range(len(owners))
+    _settle([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(pipe.pid, k)) for k in stages if not same[k]])
+    _settle([rpc.rpc_async(owners[k], owner_move.rekey, args=(pipe.pid, old_pid, k)) for k in stages if same[k]])
+
+
+def _settle(futs) -> None:
+    try:
+        wait_all(futs)
+    except Exception:  # noqa: BLE001 - a lost owner: see _undo
+        pass
 
 
 def _checked(specs, cut) -> tuple[str, ...] | list[int]:

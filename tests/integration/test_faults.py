@@ -1,6 +1,7 @@
 """Fault injection with real processes: a worker killed (SIGKILL) or frozen (SIGSTOP)
 mid-training ends the run within a bound, with an error naming the worker, its stage
 and the step; no process is left; the last checkpoint loads."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -31,6 +32,18 @@ def _alive(pid):
         return False
     return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
 
+
+
+@contextlib.contextmanager
+def _rpcmp_run(*args, **env):
+    """``rpcmp run ARGS`` in a session of its own, with ``env`` added; every process of it killed at the end."""
+    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **env})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _kill_worker2(proc, timeout):
@@ -92,10 +105,7 @@ def test_an_owner_lost_while_the_stage_before_it_computes_ends_the_step_at_once(
     owner fails with EOF), and the step's own failure ends the run (exit 1, naming worker2). Without that
     call the step waited for worker1, and only the watchdog's backstop ended the run, 10 s later (exit 3)."""
     flag = str(tmp_path / "stall")
-    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", job_path("stalls"), "--local", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "STALL_FLAG": flag})
-    try:
+    with _rpcmp_run(job_path("stalls"), "--local", "3", STALL_FLAG=flag) as proc:
         deadline = time.monotonic() + 90
         while len(_workers(proc.pid)) < 2:
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
@@ -106,9 +116,6 @@ def test_an_owner_lost_while_the_stage_before_it_computes_ends_the_step_at_once(
             assert proc.poll() is None and time.monotonic() < deadline, "worker1 did not stall"
             time.sleep(0.05)
         err, waited = _kill_worker2(proc, 120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 1, err
     assert "WorkerLostError" in err and "worker2" in err, err
     assert waited < 45, f"the run ended {waited:.1f} s after the kill"
@@ -120,18 +127,13 @@ def test_a_worker_killed_in_the_final_shutdown_leaves_the_run_complete(tmp_path)
     seconds with its checkpoint, naming worker2. It used to end 1 ("local processes exited with errors:
     [('worker2', -9)]"), after the barriers' 30 s and 60 s of waiting."""
     flag = str(tmp_path / "ended")
-    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", job_path("ends_slowly"), "--local", "3", "--max-steps",
-                             "4", "--checkpoint-dir", str(tmp_path / "run")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "ENDS_FLAG": flag})
-    try:
+    with _rpcmp_run(job_path("ends_slowly"), "--local", "3", "--max-steps", "4", "--checkpoint-dir", str(tmp_path / "run"),
+                    ENDS_FLAG=flag) as proc:
         deadline = time.monotonic() + 90
         while not os.path.exists(flag):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         err, waited = _kill_worker2(proc, 90)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err
     assert "worker2 exited with -9 after the run had ended normally" in err and "Traceback" not in err, err
     assert load_checkpoint(str(tmp_path / "run"))["step"] == 4
