@@ -122,6 +122,7 @@ class Served:
         # on the master: processes that left the run early, lost and replaced in place (rpcmp/master/recovery.py)
         # or drained (rpcmp/launch/drain.py); and, in a daemon job, the drain requests to look at between steps
         self.lost: set[str] = set()
+        self.buried: list = []  # on the master: handles of things on lost processes, never let go (see keep_lost)
         self.ended: set[str] = set()  # on the master: the workers that heard the run end normally (see [Note: an end told])
         self.watches: list = []  # on a worker: the master's watch calls, pending (see [Note: a death seen at once])
         self.watching: dict[str, set[int]] = {}  # on the master: the processes it watches, and for which pipelines
@@ -131,6 +132,13 @@ class Served:
         self._pipeline_ids = itertools.count()
         self._workers: dict[str, Any] = {}
         self._me: str | None = None
+
+    def keep_lost(self, handles) -> None:
+        """Hold on to the RRefs in ``handles`` whose owner the run lost. [Note: handles on a lost process]: an
+        RRef whose last reference goes tells its owner, and to a lost owner that message fails and is sent again
+        (half a second to seconds apart, each failure a TensorPipe warning): a recovered run logged tens of them
+        for seconds after the recovery. Kept, they are never sent; the handles go with the process."""
+        self.buried += [h for h in handles if h.owner().name in self.lost]
 
     def next_pipeline_id(self) -> int:
         return next(self._pipeline_ids)

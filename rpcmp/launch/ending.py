@@ -2,8 +2,10 @@
 and the shutdown of the RPC world, bounded when a peer is gone (see the notes below)."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import os
 import sys
 import time
 
@@ -36,19 +38,23 @@ def leave_world(served, rank: int, world_size: int, error: BaseException | None)
         _note_gone_at_end(served, world_size)
     graceful = served.graceful and not served.lost and (
         error is None or (isinstance(error, _ALL_ANSWER) and not isinstance(error, WorkerLostError)))
-    if rank == 0:
-        workers = [w for w in map(process_name, range(1, world_size)) if w not in served.lost]
-        told = _tell_outcome(workers, error is None, graceful=graceful)
-        if error is None:  # see [Note: an end told]
-            served.ended.update(told if graceful else workers)  # told to leave at once, they may not answer first
-            _name_gone_at_end(served, [w for w in workers if w not in told] if graceful else [])
-        if graceful and len(told) < len(workers):  # the barriers would wait for the silent ones: leave at once
-            graceful = False
-            _tell_outcome(sorted(told), error is None, graceful=False)
-    elif not graceful and served.told.is_set():
-        time.sleep(0.2)  # the answer to the master's word on its way first
-    answer_watches(served)
-    left = _shutdown(graceful, _TOLD_SHUTDOWN_TIMEOUT if rank == 0 or served.told.is_set() else _SHUTDOWN_TIMEOUT)
+    with contextlib.ExitStack() as muted:
+        if not graceful:
+            muted.enter_context(native_log_muted())
+        if rank == 0:
+            workers = [w for w in map(process_name, range(1, world_size)) if w not in served.lost]
+            told = _tell_outcome(workers, error is None, graceful=graceful)
+            if error is None:  # see [Note: an end told]
+                served.ended.update(told if graceful else workers)  # told to leave at once, they may not answer first
+                _name_gone_at_end(served, [w for w in workers if w not in told] if graceful else [])
+            if graceful and len(told) < len(workers):  # the barriers would wait for the silent ones: leave at once
+                graceful = False
+                muted.enter_context(native_log_muted())
+                _tell_outcome(sorted(told), error is None, graceful=False)
+        elif not graceful and served.told.is_set():
+            time.sleep(0.2)  # the answer to the master's word on its way first
+        answer_watches(served)
+        left = _shutdown(graceful, _TOLD_SHUTDOWN_TIMEOUT if rank == 0 or served.told.is_set() else _SHUTDOWN_TIMEOUT)
     if served.leave_by is not None:
         served.leave_by.set()  # left in time
     leave_stage_groups(served)  # after the RPC world: a worker's stages average gradients until the master leaves
@@ -73,6 +79,7 @@ def _outcome(ok: bool, graceful: bool = True) -> None:
     finally:
         served.told.set()
     if not graceful:  # see [Note: leaving a world with a lost peer]
+        mute_native_log()  # for good: the process leaves within the second
         leave_soon(0 if ok else 1)
     else:  # at the latest when a peer gone since holds up the shutdown's barriers (see [Note: an end told])
         served.leave_by = leave_after(0 if ok else 1, _TOLD_LEAVE_S)
@@ -149,6 +156,58 @@ def _tell_outcome(workers: list[str], ok: bool, graceful: bool = True) -> set[st
 # named as gone after the last step (and the others are told to leave without the barriers), while
 # one that answered (``Served.ended`` on the master) may end as it will: the run's result and
 # checkpoint stand, and the local launcher names it instead of failing.
+
+
+# [Note: a quiet end after a loss]
+# Without every peer, the survivors leave the RPC world without its barriers (graceful=False), and
+# TensorPipe logs each connection that closes under it (a line per pair of processes: 16 after a
+# 5-process run lost one) and every RRef whose deletion was not confirmed ("Detected RRef Leaks",
+# a dump per process). None of it says more than the run has said (what was lost, and when, at
+# the time), and it buried the run's last lines. So a shutdown without the barriers runs with the
+# process's native log (file descriptor 2, where TensorPipe writes) sent to /dev/null, while
+# Python's own output (sys.stderr, rpcmp's messages) still reaches the terminal. The lines at the
+# moment of a loss are left as they are, and TORCH_CPP_LOG_LEVEL set in the environment keeps them all.
+@contextlib.contextmanager
+def native_log_muted():
+    """Native code's writes to stderr go nowhere for the block; Python's still go out: see [Note: a quiet end
+    after a loss]."""
+    restore = mute_native_log()
+    try:
+        yield
+    finally:
+        restore()
+
+
+def mute_native_log():
+    """Send file descriptor 2 to /dev/null and ``sys.stderr`` to where it went; returns what undoes it. Nothing
+    where TORCH_CPP_LOG_LEVEL is set (asked for the native log) or where it is muted already."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ or _MUTED:
+        return lambda: None
+    sys.stderr.flush()
+    python_stderr, real = sys.stderr, os.dup(2)
+    try:
+        through_fd = python_stderr.fileno() == 2  # else (captured, redirected) the mute does not reach it
+    except (AttributeError, OSError, ValueError):
+        through_fd = False
+    if through_fd:
+        sys.stderr = os.fdopen(os.dup(real), "w", buffering=1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    _MUTED.append(real)
+
+    def restore():
+        sys.stderr.flush()
+        os.dup2(real, 2)
+        os.close(real)
+        if through_fd:
+            sys.stderr.close()
+            sys.stderr = python_stderr
+        _MUTED.remove(real)
+    return restore
+
+
+_MUTED: list[int] = []
 
 
 def _shutdown(graceful: bool, timeout: float) -> bool:

@@ -21,6 +21,7 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 from ..core.futures import raise_failures, wait_all
+from ..core.served import current
 from ..errors import JobError, PlacementError
 from ..owner import move as owner_move
 from ..owner import stage
@@ -95,6 +96,7 @@ def build_many(pipe, places: dict, owners: list[str], empty: bool = True) -> dic
 def install(pipe, index: int, place: Place, built) -> None:
     """The master's handles of stage ``index``, now built on ``place`` (what ``stage.build`` returned)."""
     refs, _, module = built
+    current().keep_lost([pipe.stages[index].module_rref, *pipe.stage_rrefs[index]])  # see Served.keep_lost
     pipe.stage_rrefs[index] = refs
     pipe.param_rrefs = [r for stage_refs in pipe.stage_rrefs for r in stage_refs]
     pipe.stages[index] = RemoteModule.init_from_module_rref(str(place), module)
@@ -118,6 +120,7 @@ def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:
     wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name)))
               for r in fresh] + [rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, None))
                                  for r in keep])
+    current().keep_lost([r for r in pipe.optimizer.remote_optimizers if r not in keep])
     pipe.optimizer.remote_optimizers = keep + fresh  # the old local optimizers of `changed` go with their last reference
     pipe.param_owners = sorted(holders)
 

@@ -73,3 +73,18 @@ def test_without_a_scheduler_stage_fields_send_only_what_is_set_by_hand():
     assert sent == [] and fields.lr == 0.1
     fields.set({"lr": 0.05, "momentum": 0.0})
     assert sent == [{"lr": 0.05, "momentum": 0.0}] and fields.lr == 0.05
+
+
+def test_handles_on_a_lost_process_are_kept_and_the_others_let_go():
+    class Handle:  # what an RRef answers: its owner's WorkerInfo
+        def __init__(self, name):
+            self.name = name
+
+        def owner(self):
+            return self
+
+    served = serve()
+    served.lost.add("worker2")
+    lost, alive = Handle("worker2"), Handle("worker3")
+    served.keep_lost([lost, alive])
+    assert served.buried == [lost]

@@ -1,5 +1,6 @@
-"""How many threads a process takes: the cores it may use, not the machine's."""
+"""How many threads a process takes (the cores it may use, not the machine's), and how it leaves the RPC world."""
 import os
+import sys
 
 from rpcmp.launch import ending, runtime
 
@@ -54,3 +55,24 @@ def test_a_worker_serves_until_the_master_says_so_or_stops_answering(monkeypatch
     start = time.monotonic()
     ending.serve_until_told(served, timeout=7.0, every=0.01)
     assert served.told.is_set() and time.monotonic() - start >= 0.25 and len(pings) >= 5
+
+
+def test_a_muted_end_drops_native_writes_to_stderr_but_not_python_s_and_puts_both_back(capfd, monkeypatch):
+    monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
+    with ending.native_log_muted():
+        os.write(2, b"[W tensorpipe_agent.cpp] pipe closed\n")  # as TensorPipe writes: to the descriptor
+        print("rpcmp: said by Python", file=sys.stderr)
+        with ending.native_log_muted():  # muted already: a no-op, Python's output still goes out
+            print("rpcmp: said again", file=sys.stderr)
+    os.write(2, b"native after\n")
+    print("python after", file=sys.stderr)
+    err = capfd.readouterr().err
+    assert "pipe closed" not in err
+    assert "said by Python" in err and "said again" in err and "native after" in err and "python after" in err
+
+
+def test_with_the_native_log_asked_for_nothing_is_muted(capfd, monkeypatch):
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "WARNING")
+    with ending.native_log_muted():
+        os.write(2, b"[W tensorpipe_agent.cpp] pipe closed\n")
+    assert "pipe closed" in capfd.readouterr().err
