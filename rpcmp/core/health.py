@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from functools import partial
+from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
@@ -35,7 +36,7 @@ import torch.distributed.rpc as rpc
 from ..errors import StageError, WorkerLostError
 from .served import RunStatus, current
 
-__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unresponsive", "watch",
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unless_lost", "unresponsive", "watch",
            "answer_watches"]
 
 GRACE = 10.0  # seconds the master has to report a dead worker before the watchdog does
@@ -144,6 +145,19 @@ def reason(exc: BaseException) -> str:
 def unresponsive(processes, timeout: float) -> list[str]:
     """The processes that do not answer a ping within ``timeout`` seconds (a dead one fails at once)."""
     return [p for p, why in _pings(processes, timeout).items() if why]
+
+
+def unless_lost(call, processes, default=None) -> tuple[Any, list[str]]:
+    """``(call(), [])``; where it fails and some of ``processes`` no longer answer, ``(default, those)``: a call
+    between two steps that met a lost owner, which the next step meets too (and, with spares, recovers from).
+    A failure with every process answering is re-raised."""
+    try:
+        return call(), []
+    except Exception:  # noqa: BLE001 - see the docstring
+        gone = unresponsive(sorted(set(processes)), timeout=3.0)
+        if not gone:
+            raise
+        return default, gone
 
 
 def explain(exc: BaseException, processes, status: RunStatus, timeout: float = 3.0) -> BaseException:

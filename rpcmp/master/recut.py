@@ -37,7 +37,7 @@ import time
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
-from ..core.health import unresponsive
+from ..core.health import unless_lost, unresponsive
 from ..core.served import current
 from ..errors import JobError, RpcmpError
 from ..owner import move as owner_move
@@ -198,12 +198,7 @@ class Rebalancer:
     def _stats(self) -> list | None:
         """The stages' figures now; None where an owner was lost meanwhile: the next step meets the loss (and,
         with spares, recovers from it), and the measurement starts again after it."""
-        try:
-            return self.measured.stats()
-        except Exception:  # noqa: BLE001 - a lost owner, or re-raised as it was
-            if not unresponsive(self._owners(), timeout=3.0):
-                raise
-            return None
+        return unless_lost(self.measured.stats, self._owners())[0]
 
     def _owners(self) -> list[str]:
         """Every owner of the pipeline's stages, of every copy."""

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ..core.checkpoint import latest_checkpoint, load_checkpoint
 from ..data import data_loader, epoch_batches, step_groups
-from ..core.health import unresponsive, watch
+from ..core.health import unless_lost, watch
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
 from ..master.livecopy import LiveCopies
@@ -227,16 +227,11 @@ class PipelineEngine:
         """``call()`` to every owner between two steps, or ``default`` where it fails and a spare can take over:
         the next step or checkpoint meets the same lost owner and replaces it (see [Note: recovery from a lost
         owner]); without spares the error stands, as the trainer reports it."""
-        try:
-            return call()
-        except Exception:  # noqa: BLE001 - see the docstring
-            if self.snapshots is None and self.live is None:
-                raise  # the trainer's report pings the owners itself
-            gone = unresponsive(sorted({place.process for _, _, place in self.pipe.rows}), timeout=3.0)
-            if not gone:
-                raise
-            current().lost.update(gone)  # its end is no failure of the run, and it takes no part in a graceful shutdown
-            return default
+        if self.snapshots is None and self.live is None:
+            return call()  # the trainer's report pings the owners itself
+        got, gone = unless_lost(call, [place.process for _, _, place in self.pipe.rows], default)
+        current().lost.update(gone)  # its end is no failure of the run, and it takes no part in a graceful shutdown
+        return got
 
     def state_meta(self) -> dict:
         return self.pipe.state_meta()

@@ -114,3 +114,15 @@ def test_the_watchdog_leaves_a_dead_worker_to_the_master_for_a_while_and_ends_a_
         assert exits[0][1] - start >= 1.0 and "exited (its connections closed)" in err, err
     else:
         assert "hung or unreachable" in err, err
+
+
+def test_a_call_between_steps_that_met_a_lost_process_gives_the_default_and_names_it(monkeypatch):
+    def fails():
+        raise RuntimeError("EOF: end of file")
+
+    monkeypatch.setattr(health, "unresponsive", lambda processes, timeout: ["worker2"])
+    assert health.unless_lost(lambda: 7, ["worker1", "worker2"]) == (7, [])
+    assert health.unless_lost(fails, ["worker1", "worker2"], default={}) == ({}, ["worker2"])
+    monkeypatch.setattr(health, "unresponsive", lambda processes, timeout: [])
+    with pytest.raises(RuntimeError, match="EOF"):  # every process answers: the failure is its own
+        health.unless_lost(fails, ["worker1", "worker2"])
