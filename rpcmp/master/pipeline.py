@@ -357,9 +357,9 @@ class Pipeline(PipelineState):
         """Move stage ``index`` to ``target`` (``"worker4/cpu"``) between steps (rpcmp.master.move; ``replica``: 0, the one copy); seconds."""
         return move.move_stage(self, index, target, replica=replica)
 
-    def recut(self, balance: list[int]) -> float:
+    def recut(self, balance: list[int], before_commit=None) -> float:
         """Re-cut a ``Split`` pipeline into ``balance`` between two steps (rpcmp.master.recut); seconds."""
-        return recut.recut(self, balance)
+        return recut.recut(self, balance, before_commit=before_commit)
 
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""

@@ -69,6 +69,7 @@ class Snapshots:
         self.taking: list = []  # the owners copying their stages: waited for before the next step
         self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
         self.reships: list[tuple] = []  # (owner, stage, step, new buddy): a lost buddy's copies, sent again
+        self.last: tuple | None = None  # (pipeline id, step, owners) of the last snapshot
 
     def buddies(self, owners: list[str]) -> dict[int, str] | None:
         """Stage -> the process that keeps its snapshot: the owner of the next stage that is another
@@ -91,21 +92,33 @@ class Snapshots:
         except Exception:  # noqa: BLE001 - an owner is gone: the next step fails and recovers from what is held
             pass
 
-    def snap(self, step: int, position: tuple[int, int]) -> None:
-        if not self.every:
+    def snap(self, step: int, position: tuple[int, int], landed: bool = False) -> None:
+        """Snapshot every stage after ``step``, unless this very pipeline is snapshotted at this step already.
+        ``landed``: return once every buddy holds its copy, raising where an owner was lost (a re-cut's: see
+        [Note: a re-cut and its snapshot] in rpcmp/master/recut.py); else the copies travel beside the next step."""
+        pipe = self.pipe
+        if not self.every or self.last == (pipe.pid, step, tuple(pipe.owners)):
             return
         self.settle()
         self.reships = []  # this snapshot goes to the new buddies
-        pipe, buddies = self.pipe, self.buddies(self.pipe.owners)
+        buddies = self.buddies(pipe.owners)
         if buddies is None or pipe.optimizer is None:
             return
         optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
         try:
-            self.taking = [rpc.rpc_async(o, snapshot.take, args=(pipe.pid, step, {o: optims[o]} if o in optims else {},
-                                                                buddies)) for o in sorted(set(pipe.owners))]
+            taking = [rpc.rpc_async(o, snapshot.take, args=(pipe.pid, step, {o: optims[o]} if o in optims else {},
+                                                           buddies, landed)) for o in sorted(set(pipe.owners))]
         except Exception:  # noqa: BLE001 - an owner is gone: the next step fails and recovers from the snapshot before
-            self.taking = []
+            if landed:
+                raise
             return
+        if landed:
+            failed = [why for why in wait_all(taking) if why]
+            if failed:
+                raise RuntimeError(f"the snapshot of step {step} is not whole: {failed[0]}")
+        else:
+            self.taking = taking
+        self.last = (pipe.pid, step, tuple(pipe.owners))
         self.kept[step] = {"position": (step, *position), "loss_scale": pipe.loss_scale,
                            "scheduler": pipe.scheduler_state() if pipe.scheduler is not None else None}
         for old in sorted(self.kept)[:-3]:

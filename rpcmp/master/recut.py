@@ -41,6 +41,7 @@ from ..core.health import unless_lost, unresponsive
 from ..core.served import current
 from ..errors import JobError, RpcmpError
 from ..owner import move as owner_move
+from ..owner import stage
 from ..plan.balance import partition_costs, units_of
 from ..plan.partition import Split, SplitAt, replan
 from ..plan.materialize import meta_model, tensor_names
@@ -50,11 +51,13 @@ from .sync import LocalMerge
 __all__ = ["recut", "Rebalancer"]
 
 
-def recut(pipe, cut, copy_of: bool = False) -> float:
+def recut(pipe, cut, copy_of: bool = False, before_commit=None) -> float:
     """Re-cut ``pipe`` as ``cut``: a balance for a ``Split`` (``[3, 3, 2]``), the points for a ``SplitAt``
     (``SplitAt("h.2", "h.4")`` or the names); the seconds it took. See [Note: re-cutting a pipeline].
     ``copy_of``: ``pipe`` is a copy of a replicated pipeline whose every copy is re-cut alike
-    (:meth:`rpcmp.master.replicas.Replicated.recut`)."""
+    (:meth:`rpcmp.master.replicas.Replicated.recut`). ``before_commit()``: called once the new parts hold their
+    values and the old ones are still there (the snapshot of the new cut: [Note: a re-cut and its snapshot]);
+    where it fails, the re-cut is undone."""
     old_specs, kind = pipe.specs, pipe.specs[0].kind
     if kind not in ("slice", "traced"):
         raise JobError(f"recut: only a Split or a SplitAt pipeline can be re-cut (a cut that can move); this job's "
@@ -77,30 +80,60 @@ def recut(pipe, cut, copy_of: bool = False) -> float:
     pipe.pid, pipe.specs = current().next_pipeline_id(), specs
     owners = list(pipe.owners)
     wait_all([rpc.rpc_async(owners[k], owner_move.rekey, args=(old_pid, pipe.pid, k)) for k in range(len(specs)) if same[k]])
+    handles = _handles(pipe)
     try:
         built = build_many(pipe, {k: pipe.places[k] for k in range(len(specs)) if not same[k]}, owners)
         wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
                                 args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims,
                                       _aliases(pipe.job)))
                   for k in built])
+        for k, b in built.items():
+            install(pipe, k, pipe.places[k], b)
+        new_optimizer(pipe, optims, {owners[k] for k in built})
+        if before_commit is not None:
+            before_commit()
     except Exception:  # an owner could not build or fill its new part, or was lost: the pipeline stays as it was cut
+        _restore(pipe, handles)
         _undo(pipe, old_pid, owners, same)
         pipe.pid, pipe.specs = old_pid, old_specs
         raise
-    wait_all([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(old_pid, k)) for k in built])
-    for k, b in built.items():
-        install(pipe, k, pipe.places[k], b)
-    new_optimizer(pipe, optims, {owners[k] for k in built})
+    # the old parts, and their snapshots here and on the buddies (the new cut's are whole by now)
+    _settle([rpc.rpc_async(o, stage.release, args=(old_pid,)) for o in sorted(set(owners))])
     return time.perf_counter() - start
 
 
+# [Note: a re-cut and its snapshot]
+# With spares, every stage's snapshot (and its buddy's copy) is of the pipeline as it is cut: after a
+# re-cut, a loss is recovered from the new cut's snapshot only. When that snapshot was taken after the
+# re-cut, beside the next step, an owner lost before it had landed ended the run ("no snapshot holds
+# the lost stages"). Now the re-cut takes it before it lets the old parts go (``before_commit``), and
+# waits until every buddy holds its copy: a loss before that undoes the re-cut (the old parts, their
+# optimizer state untouched, and their snapshots are all still there) and the spare takes over from
+# the old cut's snapshot; a loss after it recovers from the new one. Nothing in between.
+
+
+def _handles(pipe) -> tuple:
+    """What the master holds of ``pipe``'s stages and optimizer (for :func:`_restore`)."""
+    optimizers = list(pipe.optimizer.remote_optimizers) if pipe.optimizer is not None else None
+    return list(pipe.stages), list(pipe.stage_rrefs), list(pipe.param_rrefs), optimizers, list(pipe.param_owners)
+
+
+def _restore(pipe, handles: tuple) -> None:
+    """The master's handles of the old parts again: a re-cut undone after the new parts were installed."""
+    stages, stage_rrefs, param_rrefs, optimizers, param_owners = handles
+    pipe.stages, pipe.stage_rrefs, pipe.param_rrefs, pipe.param_owners = stages, stage_rrefs, param_rrefs, param_owners
+    if optimizers is not None:
+        pipe.optimizer.remote_optimizers = optimizers
+    pipe.label_stages()
+
+
 def _undo(pipe, old_pid: int, owners: list[str], same: list[bool]) -> None:
-    """A re-cut that failed before the old parts were dropped: the new parts go, the kept ones take their old key
-    again. An owner lost meanwhile fails its calls; the rest are undone all the same (the next step meets the
-    loss, and with spares recovers from it: the snapshots are of the pipeline as it was cut)."""
-    stages = range(len(owners))
-    _settle([rpc.rpc_async(owners[k], owner_move.drop_stage, args=(pipe.pid, k)) for k in stages if not same[k]])
-    _settle([rpc.rpc_async(owners[k], owner_move.rekey, args=(pipe.pid, old_pid, k)) for k in stages if same[k]])
+    """A re-cut that failed before the old parts were dropped: the kept parts take their old key again, and the
+    new parts go with their snapshots and the buddies' copies of them. An owner lost meanwhile fails its calls;
+    the rest are undone all the same (the next step meets the loss, and with spares recovers from it: the
+    snapshots are of the pipeline as it was cut)."""
+    _settle([rpc.rpc_async(owners[k], owner_move.rekey, args=(pipe.pid, old_pid, k)) for k in range(len(owners)) if same[k]])
+    _settle([rpc.rpc_async(o, stage.release, args=(pipe.pid,)) for o in sorted(set(owners))])
 
 
 def _settle(futs) -> None:
@@ -143,8 +176,9 @@ def _sources(old_specs, spec, owners: list[str]) -> dict[str, list[int]]:
 class Rebalancer:
     """``Job(rebalance=True)``: see [Note: re-cutting a pipeline]."""
 
-    def __init__(self, pipe, warmup: int = 5, window: int = 5, gain: float = 0.05):
+    def __init__(self, pipe, warmup: int = 5, window: int = 5, gain: float = 0.05, before_commit=None):
         self.pipe, self.warmup, self.window, self.gain = pipe, warmup, window, gain
+        self.before_commit = before_commit  # what each re-cut calls before the old parts go (see recut)
         self.measured = getattr(pipe, "pipes", [pipe])[0]  # with replicas, the first copy: they work alike
         stages = pipe.job.stages
         self.units = units_of(meta_model(pipe.job), None if isinstance(stages, Split) else pipe.specs[0].cut)
@@ -179,7 +213,8 @@ class Rebalancer:
         before = self.balance
         self.had.add(balance)
         try:
-            took = self.pipe.recut(self.units.cut(balance))
+            cut = self.units.cut(balance)
+            took = self.pipe.recut(cut) if self.before_commit is None else self.pipe.recut(cut, self.before_commit)
         except Exception as exc:  # noqa: BLE001 - the pipeline is as it was: training goes on with it
             why = str(exc).splitlines()[0][:300]
             if not isinstance(exc, RpcmpError):

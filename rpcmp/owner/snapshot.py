@@ -23,15 +23,18 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
+from ..core.health import reason
 from ..core.served import current
 from .move import export_stage, fill_stage
 
 __all__ = ["take", "reship", "keep", "held", "own_steps", "restore"]
 
 
-def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
+def take(pid: int, step: int, optims: dict, buddies: dict[int, str], landed: bool = False) -> str | None:
     """Snapshot every stage of pipeline ``pid`` here after step ``step`` and ship each to its buddy.
-    ``optims``: this process's local optimizer (by process name, as the master knows them)."""
+    ``optims``: this process's local optimizer (by process name, as the master knows them); ``landed``: return
+    once every buddy holds its copy (a re-cut's: [Note: a re-cut and its snapshot] in rpcmp/master/recut.py),
+    or why one could not take it (a value: an error raised here would be printed here too)."""
     served = current()
     me = served.me
     previous = served.shipping.pop(pid, None)
@@ -49,8 +52,15 @@ def take(pid: int, step: int, optims: dict, buddies: dict[int, str]) -> None:
         for old in sorted(own)[:-2]:
             del own[old]
         futs.append(rpc.rpc_async(buddies[index], keep, args=(pid, index, step, data)))
-    if futs:
+    if futs and landed:
+        for fut, host in zip(futs, served.hosts_of(pid)):
+            try:
+                fut.wait()
+            except Exception as exc:  # noqa: BLE001 - said to the master, which undoes the re-cut
+                return f"{buddies[host.spec.index]} did not take its copy ({reason(exc)})"
+    elif futs:
         served.shipping[pid] = torch.futures.collect_all(futs)
+    return None
 
 
 def reship(pid: int, index: int, step: int, buddy: str) -> None:

@@ -88,7 +88,9 @@ class PipelineEngine:
         self.live = LiveCopies(pipe, self.spares) if self.spares and self.replicated else None
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
-        self.rebalancer = Rebalancer(pipe) if job.rebalance else None  # rpcmp/master/recut.py
+        # a re-cut's snapshot before the old parts go: see [Note: a re-cut and its snapshot] in rpcmp/master/recut.py
+        self.recut_hook = self._recut_snapshot if self.snapshots is not None else None
+        self.rebalancer = Rebalancer(pipe, before_commit=self.recut_hook) if job.rebalance else None
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
     def steps_per_epoch(self, n: int) -> int:
@@ -138,6 +140,11 @@ class PipelineEngine:
             self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
         return "\n".join(notes + self._spares_lost()) or None
 
+    def _recut_snapshot(self) -> None:
+        """A re-cut's snapshot of its new cut, landed before the old parts go (see [Note: a re-cut and its
+        snapshot] in rpcmp/master/recut.py)."""
+        self.snapshots.snap(self.at[0], self.at[1:], landed=True)
+
     def _spares_lost(self) -> list[str]:
         """The spares whose connection closed since the last step leave the list (see [Note: a death seen at once]);
         the others are watched from now on."""
@@ -155,7 +162,7 @@ class PipelineEngine:
         """``rpcmp rebalance``: measure once from the next step on and re-cut if it pays (answered by :meth:`_once`)."""
         try:
             check_movable(self.job.stages)
-            self.oneoff = (Rebalancer(self.pipe, warmup=0), number, nonce)
+            self.oneoff = (Rebalancer(self.pipe, warmup=0, before_commit=self.recut_hook), number, nonce)
         except (JobError, PartitionError) as exc:
             control.answer(number, nonce, False, f"not re-cut: {exc}")
         return None

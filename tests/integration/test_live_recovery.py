@@ -42,18 +42,19 @@ def _process(tag: str, name: str) -> int | None:
 
 
 def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three"):
-    """Run the job; when the metrics show step k, send ``sig`` to process ``name``, for each (k, name, sig)."""
+    """Run the job; when the metrics show step k (or once the file k names exists), send ``sig`` to process
+    ``name``, for each (k, name, sig)."""
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(_command(folder, *extra, job=job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
     try:
         for at, name, sig in hits:
             deadline = time.monotonic() + 120
-            while metric_steps(str(folder) + ".jsonl") < at:
+            while not os.path.exists(at) if isinstance(at, str) else metric_steps(str(folder) + ".jsonl") < at:
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
                 time.sleep(0.002)
             pid = _process(tag, name)
-            if pid is None and at >= STEPS:  # the run's last step: its processes may have left already (nothing to hit)
+            if pid is None and isinstance(at, int) and at >= STEPS:  # the run's last step: its processes may have left
                 continue
             assert pid is not None, f"{name} not found at step {at}"
             os.kill(pid, sig)
