@@ -192,8 +192,8 @@ class Snapshots:
         """Source b: the lost stages from their buddies' copies, the others from their own; the same step."""
         pipe = self.pipe
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
-        rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None))  # while the spare builds
-                   for k, o in enumerate(pipe.owners) if k not in stages]
+        rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None, old_optims.get(o)))
+                   for k, o in enumerate(pipe.owners) if k not in stages]  # while the spare builds
         built = rebuild_on_spare(pipe, gone, spare, stages, empty=True)
         wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
         install_rebuilt(pipe, built, old_optims, spare)

@@ -89,9 +89,11 @@ def own_steps(pid: int) -> list[int]:
     return sorted(set.intersection(*owns)) if owns else []
 
 
-def restore(pid: int, index: int, step: int, buddy: str | None) -> None:
+def restore(pid: int, index: int, step: int, buddy: str | None, optim_rref=None) -> None:
     """Give stage ``index`` here its values of step ``step``: from its own snapshot (``buddy`` None:
-    a stage that was not lost rolls back) or from the one its buddy holds (a stage rebuilt here)."""
+    a stage that was not lost rolls back) or from the one its buddy holds (a stage rebuilt here).
+    ``optim_rref``: this process's local optimizer, which keeps the stage (a rollback): its state is
+    written back into it at once."""
     served = current()
     host = served.host(pid, index)
     if buddy is None:
@@ -99,7 +101,7 @@ def restore(pid: int, index: int, step: int, buddy: str | None) -> None:
     else:
         data = rpc.rpc_sync(buddy, _give, args=(pid, index, step), timeout=host.timeout)
     fill_stage(host, data, f"restoring stage {index} ({host.spec.name}) to step {step}", counters=buddy is not None,
-               copy=True)
+               copy=True, optim_rref=optim_rref)
     if buddy is not None:  # it is this process's own now, for the next loss
         served.snapshots[(pid, index)] = {step: data}
 

@@ -68,6 +68,28 @@ def test_a_stage_rolls_back_to_its_own_copy_or_its_buddys_with_optimizer_state_b
         assert fields  # the optimizer's own fields (lr, betas) travel with it
 
 
+def test_a_rolled_back_optimizer_takes_the_snapshot_s_state_into_its_own_tensors_and_the_snapshot_stays(pipe):
+    _step(pipe)
+    optim = pipe.optimizer_state()
+    snapshot.take(pipe.pid, 1, _optims(pipe), {0: "master", 1: "master"})
+    current().shipping[pipe.pid].wait()
+    _step(pipe, 2)
+    rref = pipe.optimizer.remote_optimizers[0]
+    state = rref.local_value().optim.state
+    first = list(current().host(pipe.pid, 0).module.parameters())
+    before = [{k: v.data_ptr() for k, v in state[p].items()} for p in first]
+    snapshot.restore(pipe.pid, 0, 1, None, rref)  # into the optimizer at once, as a recovery's rollback does
+    assert current().host(pipe.pid, 0).moved_optimizer[0] is None  # nothing left for adopt_optimizer but fields
+    snapshot.restore(pipe.pid, 1, 1, None)  # copied, for adopt_optimizer
+    move.adopt_optimizer(pipe.pid, rref, None)
+    assert first and [{k: v.data_ptr() for k, v in state[p].items()} for p in first] == before  # no fresh memory
+    after = pipe.optimizer_state()
+    assert optim and all(torch.equal(after[n][k], optim[n][k]) for n in optim for k in optim[n])
+    _step(pipe)  # a later step changes the optimizer's tensors, not the snapshot it came from
+    kept = current().snapshots[(pipe.pid, 0)][1]["optimizer"]
+    assert kept and all(torch.equal(kept[n]["exp_avg"], optim[n]["exp_avg"]) for n in kept)
+
+
 def test_a_stage_of_other_tensors_or_shapes_is_refused_by_name(pipe):
     got = move.export_stage(pipe.pid, 0, None, rng=False, copy=True)
     host = current().host(pipe.pid, 0)
