@@ -102,7 +102,9 @@ class Pipeline(PipelineState):
         if self.schedule not in SCHEDULES:
             raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         self.specs: list[StageSpec] = specs or self.plan(job, sample)
-        self.places: list[Place] = list(places or resolve_placement(job.placement, len(self.specs), stage_world(job, world_size)))
+        holding = stage_world(job, world_size)
+        self.places: list[Place] = list(places or resolve_placement(job.placement, len(self.specs), holding,
+                                                                    world_size - holding))
         # how gradients come together before the step: one pipeline's merge, or one copy's share of
         # the replicas' average (rpcmp/master/sync.py; [Note: replicas of a pipeline])
         self.sync = sync or LocalMerge()

@@ -39,9 +39,12 @@ class Place:
         return 0 if self.process == MASTER else int(self.process[len("worker"):])
 
 
-def resolve_placement(placement: str | Sequence[str], stages: int, world_size: int) -> list[Place]:
-    """Turn a placement declaration into one :class:`Place` per stage, checked against the world."""
+def resolve_placement(placement: str | Sequence[str], stages: int, world_size: int, spares: int = 0) -> list[Place]:
+    """Turn a placement declaration into one :class:`Place` per stage, checked against the world: the
+    ``world_size`` processes that may hold stages, besides the run's ``spares`` (its last ranks)."""
     names = [process_name(r) for r in range(world_size)]
+    besides = (f" besides the {spares} spare{'s' if spares > 1 else ''} "
+               f"({', '.join(process_name(r) for r in range(world_size, world_size + spares))}, --spares)" if spares else "")
     if placement == "auto":
         if world_size > stages:
             return [Place(process_name(i + 1)) for i in range(stages)]
@@ -49,8 +52,8 @@ def resolve_placement(placement: str | Sequence[str], stages: int, world_size: i
             return [Place(process_name((i + 1) % world_size)) for i in range(stages)]
         raise PlacementError(
             f"placement 'auto' needs at least as many processes as stages: {stages} stages > "
-            f"{world_size} processes ({', '.join(names)}); start {stages} processes "
-            f"(--local {stages}) or give an explicit placement that puts several stages on one process"
+            f"{world_size} processes ({', '.join(names)}){besides}; start {stages + spares} processes "
+            f"(--local {stages + spares}) or give an explicit placement that puts several stages on one process"
         )
     if isinstance(placement, str) or not isinstance(placement, Sequence):
         raise PlacementError(f"placement must be 'auto' or a list of 'process/device' strings, got {placement!r}")
@@ -64,8 +67,8 @@ def resolve_placement(placement: str | Sequence[str], stages: int, world_size: i
         device = device or "cpu"
         if process not in names:
             raise PlacementError(
-                f"stage {i} is placed on {process!r}, which is not a process of this run; "
-                f"with {world_size} processes the names are {names}"
+                f"stage {i} is placed on {process!r}, which is not a process of this run that holds stages; "
+                f"with {world_size} processes{besides} the names are {names}"
             )
         try:
             dev = torch.device(device)

@@ -48,8 +48,8 @@ class Topology:
         world cannot hold."""
         s = stages or stage_count(job)
         holding = stage_world(job, world_size)
-        rows = (_grid(job, holding, s, nodes[:holding] if nodes else None) if job.replicas > 1
-                else [resolve_placement(job.placement, s, holding)])
+        rows = (_grid(job, holding, s, nodes[:holding] if nodes else None, world_size - holding) if job.replicas > 1
+                else [resolve_placement(job.placement, s, holding, world_size - holding)])
         spares = tuple(process_name(r) for r in range(holding, world_size))
         return cls(job.replicas, s, world_size, tuple(tuple(row) for row in rows), spares)
 
@@ -104,20 +104,22 @@ def check_replicas(job) -> None:
         raise JobError("Job.trace_file draws the timeline of one pipeline: trace with replicas=1 (the copies run alike)")
 
 
-def _grid(job, world_size: int, s: int, nodes: list[str] | None) -> list[list[Place]]:
+def _grid(job, world_size: int, s: int, nodes: list[str] | None, spares: int = 0) -> list[list[Place]]:
     r = job.replicas
     need = r * s
     if job.placement == "auto":
         if world_size < need:
+            besides = f" besides {spares} spare{'s' if spares > 1 else ''} (--spares)" if spares else ""
             raise PlacementError(f"{r} replicas x {s} stages need {need} processes (or {need + 1}: the master holds no "
-                                 f"stage then), got {world_size}: start {need + 1} processes (--local {need + 1})")
+                                 f"stage then), got {world_size}{besides}: start {need + 1 + spares} processes "
+                                 f"(--local {need + 1 + spares})")
         first = 1 if world_size > need else 0  # with exactly R x S processes the master holds a stage too
         columns = _by_node(r, s, list(range(first, world_size)), nodes or ["one"] * world_size)
         return [[Place(process_name(columns[k][i])) for k in range(s)] for i in range(r)]
     if isinstance(job.placement, str) or len(job.placement) != need:
         raise PlacementError(f"with {r} replicas of {s} stages, placement must be 'auto' or {need} 'process/device' "
                              f"entries (replica 0's stages, then replica 1's, ...), got {job.placement!r}")
-    flat = resolve_placement(list(job.placement), need, world_size)
+    flat = resolve_placement(list(job.placement), need, world_size, spares)
     grid = [flat[i * s:(i + 1) * s] for i in range(r)]
     for k in range(s):
         copies = [grid[i][k].process for i in range(r)]

@@ -99,3 +99,14 @@ def _broken(sync):
 def test_a_job_with_replicas_it_cannot_run_is_refused_with_what_to_change(fields, match):
     with pytest.raises(JobError, match=match):
         _job(**fields)
+
+
+def test_too_few_processes_for_the_stages_and_the_spares_counts_the_spares_in_the_way_out():
+    with pytest.raises(PlacementError, match=r"got 3 besides 1 spare \(--spares\): start 6 processes \(--local 6\)"):
+        Topology.of(_job(replicas=2, spares=1), world_size=4)  # 2 x 2 stages (+ the master) and a spare: 6
+    with pytest.raises(PlacementError, match=r"2 stages > 1 processes \(master\) besides the 2 spares \(worker1, worker2, "
+                                             r"--spares\); start 4 processes \(--local 4\)"):
+        Topology.of(_job(spares=2), world_size=3)
+    with pytest.raises(PlacementError, match=r"'worker2', which is not a process of this run that holds stages; with 2 "
+                                             r"processes besides the 1 spare \(worker2, --spares\)"):
+        Topology.of(_job(spares=1, placement=["worker1/cpu", "worker2/cpu"]), world_size=3)
