@@ -64,11 +64,13 @@ def _local_child(job_path, rank, world_size, port, overrides, main, results, par
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **_LOCAL_ENV)
     try:
         # Said once, by the parent: a job that fails to import in this process (a LaunchError naming it),
-        # and a world that cannot hold the stages, the job's own mistake (the same on every rank), as is.
+        # and the job's own mistakes (the same on every rank), as is: a setting refused (--snapshot-every -1,
+        # --rebalance on stages that cannot move), a world that cannot hold the stages.
         try:
             job = load_job(job_path, overrides=overrides)  # fails here, not in the RPC rendezvous: see _wait_started
         except Exception as exc:  # noqa: BLE001
-            started.put((rank, f"{type(exc).__name__}: {exc}", None))
+            imported = exc.__cause__ is None  # load_job raises an import's failure from it
+            started.put((rank, f"{type(exc).__name__}: {exc}", _input_mistake(exc) if imported else None))
             sys.exit(1)
         try:
             if job.mode != "ddp":  # DDP: the whole model on every rank, no stages to place

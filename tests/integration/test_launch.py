@@ -136,6 +136,15 @@ def test_a_placement_the_world_cannot_hold_is_the_jobs_mistake_said_once(tmp_pat
     assert proc.stderr.count("error:") == 1 and "LaunchError" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_setting_the_job_refuses_is_the_jobs_mistake_said_once_not_a_rank_s_failure():
+    proc = _run([os.path.join(BIN, "rpcmp"), "run", job_path("three"), "--local", "5", "--spares", "1",
+                 "--snapshot-every", "-1"], timeout=90)
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # an input mistake, not a failed run
+    assert "error: JobError: Job.snapshot_every must be 0 or a positive integer, got -1" in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "LaunchError" not in proc.stderr, proc.stderr
+
+
 
 _BRANCHY = """import dataclasses, runpy, rpcmp
 base = runpy.run_path({path!r})
