@@ -359,9 +359,10 @@ class Pipeline(PipelineState):
         """Move stage ``index`` to ``target`` (``"worker4/cpu"``) between steps (rpcmp.master.move; ``replica``: 0, the one copy); seconds."""
         return move.move_stage(self, index, target, replica=replica)
 
-    def recut(self, balance: list[int], before_commit=None) -> float:
-        """Re-cut a ``Split`` pipeline into ``balance`` between two steps (rpcmp.master.recut); seconds."""
-        return recut.recut(self, balance, before_commit=before_commit)
+    def recut(self, cut, before_commit=None) -> float:
+        """Re-cut a ``Split`` pipeline into a balance (``[3, 3, 2]``), a ``SplitAt`` one at other points, between two
+        steps (rpcmp.master.recut, which says what ``before_commit`` is for); seconds."""
+        return recut.recut(self, cut, before_commit=before_commit)
 
     def close(self) -> None:
         """Drop the stages on their owners (the processes stay up)."""

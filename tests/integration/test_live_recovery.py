@@ -5,7 +5,6 @@ run's. Without a spare, or when a second owner is lost, the run ends as it alway
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -98,14 +97,9 @@ def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterru
 
 def _assert_quiet_after_the_loss(out: str, lost: str) -> None:
     """TensorPipe's lines name the lost process alone: none from the survivors' shutdown, no "Leaking RRef" (see
-    [Note: a quiet end after a loss] in rpcmp/launch/ending.py); and the master's failed sends to it come at the loss,
-    not for seconds after it (its handles there are kept: [Note: handles on a lost process] in rpcmp/core/served.py)."""
+    [Note: a quiet end after a loss] in rpcmp/launch/ending.py)."""
     lines = [line for line in out.splitlines() if "tensorpipe_agent.cpp" in line or "rref_context.cpp" in line]
     assert not [line for line in lines if lost not in line] and "Leaking RRef" not in out, out
-    sends = [re.match(r"\[W\d+ (\d+):(\d+):([\d.]+)", line) for line in lines
-             if "RPC agent for master encountered error when sending" in line]
-    stamps = [int(h) * 3600 + int(m) * 60 + float(s) for h, m, s in (found.groups() for found in sends if found)]
-    assert not stamps or max(stamps) - min(stamps) < 2.0, out
 
 
 @pytest.mark.timeout(300)
