@@ -113,3 +113,14 @@ def test_a_snapshot_whose_owner_failed_to_answer_is_still_a_candidate_for_recove
     snaps.taking, snaps.kept = [failed], {0: {"position": (0, 0, 0)}, 5: {"position": (5, 0, 5)}}
     snaps.settle()
     assert sorted(snaps.kept) == [0, 5] and snaps.taking == []
+
+
+def test_a_re_cut_lets_the_old_cut_s_snapshots_go_here_and_on_the_buddies(pipe):
+    _step(pipe)
+    snapshot.take(pipe.pid, 1, _optims(pipe), {0: "master", 1: "master"})
+    current().shipping[pipe.pid].wait()
+    old = pipe.pid
+    pipe.recut([4, 3])  # both stages change: built again under a new pipeline id
+    served = current()
+    assert pipe.pid != old
+    assert not [k for k in (*served.snapshots, *served.buddy_snapshots) if k[0] == old]
