@@ -37,7 +37,7 @@ import time
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
-from ..core.health import unless_lost, unresponsive
+from ..core.health import unless_lost
 from ..core.served import current
 from ..errors import JobError, RpcmpError
 from ..owner import move as owner_move
@@ -115,13 +115,14 @@ def recut(pipe, cut, copy_of: bool = False, before_commit=None) -> float:
 def _handles(pipe) -> tuple:
     """What the master holds of ``pipe``'s stages and optimizer (for :func:`_restore`)."""
     optimizers = list(pipe.optimizer.remote_optimizers) if pipe.optimizer is not None else None
-    return list(pipe.stages), list(pipe.stage_rrefs), list(pipe.param_rrefs), optimizers, list(pipe.param_owners)
+    return list(pipe.stages), list(pipe.stage_rrefs), optimizers
 
 
 def _restore(pipe, handles: tuple) -> None:
     """The master's handles of the old parts again: a re-cut undone after the new parts were installed."""
-    stages, stage_rrefs, param_rrefs, optimizers, param_owners = handles
-    pipe.stages, pipe.stage_rrefs, pipe.param_rrefs, pipe.param_owners = stages, stage_rrefs, param_rrefs, param_owners
+    pipe.stages, pipe.stage_rrefs, optimizers = handles
+    pipe.param_rrefs = [r for refs in pipe.stage_rrefs for r in refs]
+    pipe.param_owners = sorted({r.owner().name for r in pipe.param_rrefs})
     if optimizers is not None:
         pipe.optimizer.remote_optimizers = optimizers
     pipe.label_stages()
@@ -212,18 +213,16 @@ class Rebalancer:
             return None
         before = self.balance
         self.had.add(balance)
-        try:
-            cut = self.units.cut(balance)
-            took = self.pipe.recut(cut) if self.before_commit is None else self.pipe.recut(cut, self.before_commit)
-        except Exception as exc:  # noqa: BLE001 - the pipeline is as it was: training goes on with it
-            why = str(exc).splitlines()[0][:300]
-            if not isinstance(exc, RpcmpError):
-                lost = unresponsive(self._owners(), timeout=3.0)
-                if not lost:
-                    raise  # not a loss the next step meets
-                self.had.discard(balance)  # a cut that may still pay once the lost owner is replaced
-                why = f"{', '.join(lost)} was lost meanwhile (the next step meets it)"
-            self.decided = f"kept balance {list(before)} after step {step}: the re-cut to {list(balance)} failed: {why}"
+        cut, kept = self.units.cut(balance), f"kept balance {list(before)} after step {step}: the re-cut to {list(balance)}"
+        try:  # where it fails the pipeline is as it was: training goes on with it
+            took, lost = unless_lost(lambda: self.pipe.recut(cut) if self.before_commit is None
+                                     else self.pipe.recut(cut, self.before_commit), self._owners())
+        except RpcmpError as exc:  # refused, every owner answering
+            self.decided = f"{kept} failed: {str(exc).splitlines()[0][:300]}"
+            return self.decided
+        if lost:
+            self.had.discard(balance)  # a cut that may still pay once the lost owner is replaced
+            self.decided = f"{kept} failed: {', '.join(lost)} was lost meanwhile (the next step meets it)"
             return self.decided
         self.decided = (f"re-cut after step {step}: balance {list(before)} -> {list(balance)}{self._at(balance)} "
                         f"(slowest stage predicted "
