@@ -33,6 +33,7 @@ class RunStatus:
 
     step: int = 0
     checkpoint: str | None = None
+    checkpoint_dir: str | None = None  # where the run saves (Job.checkpoint_dir), for a run that has saved nothing yet
     stages: dict[str, list[str]] = field(default_factory=dict)  # process -> what it holds
     task: str | None = None
 
@@ -43,7 +44,8 @@ class RunStatus:
         if self.task:
             return f"{self.task}: {who} {how}. {look}"
         ckpt = (f"The last checkpoint is {self.checkpoint}: rerun with --resume to continue from it"
-                if self.checkpoint else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
+                if self.checkpoint else f"No checkpoint was written in {self.checkpoint_dir} yet"
+                if self.checkpoint_dir else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
         when = f"at step {self.step}" if self.step else "before the first step"
         return f"{when}: {who} {how}. {look}. {ckpt}"
 
@@ -109,6 +111,7 @@ class Served:
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
         self.nodes: list[str] | None = None  # Job(replicas=R): every rank's node, for the grid
         self.topology = None  # the run's rpcmp.plan.topology.Topology, computed once at start
+        self.device_maps: dict[str, dict[str, str]] = {}  # Job(device_maps=True): the maps this process joined RPC with
         self.store_address: tuple[str, int] | None = None  # the launch's store (rpcmp.core.store), from the launcher
         # Under torchrun: this attempt's number, the run an earlier attempt trained (None: none did) and how
         # to tell a later attempt which run this one trains (see [Note: a restart resumes by itself]).

@@ -127,7 +127,8 @@ def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptio
         _transports=[job.transport],
         # "basic" moves tensor bytes over the transport itself; measured against "cma" and
         # "mpt_uv" on the 2-stage MLP it was as fast or faster, and it works across nodes.
-        _channels=["basic"],
+        # Device maps need a CUDA channel as well: CUDA IPC on one node, else through host memory.
+        _channels=["cuda_ipc", "cuda_basic", "basic"] if job.device_maps else ["basic"],
     )
 
 
@@ -190,6 +191,7 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
     for peer, mapping in ((p, m) for places in topology.grid if job.device_maps
                           for p, m in device_maps_for(places, process_name(rank)).items()):
         options.set_device_map(peer, mapping)
+        served.device_maps.setdefault(peer, {}).update(mapping)
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
     return topology
 

@@ -14,8 +14,10 @@ the same numbers. A run with a move equals one without (tests/integration/test_m
 """
 from __future__ import annotations
 
+import logging
 import time
 
+import torch
 import torch.distributed.rpc as rpc
 from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
@@ -103,20 +105,42 @@ def install(pipe, index: int, place: Place, built) -> None:
     pipe.label_stages()
 
 
+def distributed_optimizer(cls, params: list, **kwargs) -> DistributedOptimizer:
+    """A DistributedOptimizer over ``params`` whose local optimizers rpcmp can read and write.
+
+    [Note: local optimizers rpcmp can write]
+    rpcmp reads and writes each local optimizer's ``state`` by parameter: checkpoints and resumes, moves,
+    snapshots and rollbacks. torch releases that compile the functional optimizers with TorchScript
+    (``_new_script_local_optimizer`` in torch.distributed.optim.optimizer) hand Python a copy of that
+    state: what a resume or a rollback writes is lost, and Adam starts its moments afresh without a word
+    (torch 2.11 on CUDA: a resumed run's model 0.037 off the run left alone; make gpu-check). Under such a
+    torch the local optimizers are torch.optim ones (TorchScript off while the constructor chooses), whose
+    state is the live dict; under a torch whose functional optimizers are plain Python, they stay."""
+    from torch.distributed.optim import optimizer as dist_optim
+    if not hasattr(dist_optim, "_new_script_local_optimizer"):
+        return DistributedOptimizer(cls, params, **kwargs)
+    level = dist_optim.logger.level
+    dist_optim.logger.setLevel(logging.ERROR)  # its warning that the optimizer is not the functional one
+    torch.jit._state.disable()
+    try:
+        return DistributedOptimizer(cls, params, **kwargs)
+    finally:
+        torch.jit._state.enable()
+        dist_optim.logger.setLevel(level)
+
+
 def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:
     """The pipeline's optimizer after its stages changed place: a new local optimizer on each process in
     ``changed`` that holds parameters now (it takes the state of the old one there, ``old_optims`` by
     process, and of the stages that came to it: :func:`rpcmp.owner.move.adopt_optimizer`); every other
-    process keeps its own, which takes what a rollback stashed. Keeping them matters: a DistributedOptimizer
-    of SGD or Adam compiles its local optimizers with TorchScript, and a fresh one runs its first steps
-    slower while they are profiled."""
+    process keeps its own, which takes what a rollback stashed."""
     if pipe.optimizer is None:
         return
     holders = {r.owner().name for r in pipe.param_rrefs}
     keep = [r for r in pipe.optimizer.remote_optimizers if r.owner().name in holders - changed]
     cls, kwargs = pipe.optimizer_spec
     params = [r for r in pipe.param_rrefs if r.owner().name in changed]
-    fresh = DistributedOptimizer(cls, params, **kwargs).remote_optimizers if params else []
+    fresh = distributed_optimizer(cls, params, **kwargs).remote_optimizers if params else []
     wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name)))
               for r in fresh] + [rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, None))
                                  for r in keep])

@@ -65,7 +65,6 @@ import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
 from torch.distributed.nn import RemoteModule
-from torch.distributed.optim import DistributedOptimizer
 
 from ..core import health
 from . import inbox, move, recut, tied
@@ -137,7 +136,7 @@ class Pipeline(PipelineState):
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn, _ in built)
         cls, kwargs = self.optimizer_spec = optimizer or job.optimizer
-        self.optimizer = DistributedOptimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
+        self.optimizer = move.distributed_optimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
         self.param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.nonfinite = NonFinite(job.nonfinite)
         self.gradients = GradientPolicy(job.precision == "fp16", job.clip_grad_norm)

@@ -70,6 +70,8 @@ class Snapshots:
         self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
         self.reships: list[tuple] = []  # (owner, stage, step, new buddy): a lost buddy's copies, sent again
         self.last: tuple | None = None  # (pipeline id, step, owners) of the last snapshot
+        self.notes: list[str] = []  # a snapshot an owner that still answers could not take: for the log (settle)
+        self._said: set[str] = set()
 
     def buddies(self, owners: list[str]) -> dict[int, str] | None:
         """Stage -> the process that keeps its snapshot: the owner of the next stage that is another
@@ -106,14 +108,15 @@ class Snapshots:
             return
         optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
         try:
-            taking = [rpc.rpc_async(o, snapshot.take, args=(pipe.pid, step, {o: optims[o]} if o in optims else {},
-                                                           buddies, landed)) for o in sorted(set(pipe.owners))]
+            taking = [(o, step, rpc.rpc_async(o, snapshot.take, args=(pipe.pid, step, {o: optims[o]} if o in optims
+                                                                     else {}, buddies, landed)))
+                      for o in sorted(set(pipe.owners))]
         except Exception:  # noqa: BLE001 - an owner is gone: the next step fails and recovers from the snapshot before
             if landed:
                 raise
             return
         if landed:
-            failed = [why for why in wait_all(taking) if why]
+            failed = [why for why in wait_all([fut for _, _, fut in taking]) if why]
             if failed:
                 raise RuntimeError(f"the snapshot of step {step} is not whole: {failed[0]}")
         else:
@@ -127,13 +130,18 @@ class Snapshots:
     def settle(self) -> None:
         """Wait until the owners have copied their stages (before any optimizer step may change them). A copy
         that failed is not a snapshot lost: its owner may have shipped it and died before answering; a recovery
-        asks the buddies and the survivors what they hold (:meth:`_whole_snapshot`)."""
+        asks the buddies and the survivors what they hold (:meth:`_whole_snapshot`). A copy that failed on an
+        owner that still answers is said, once per reason: a loss is then recovered from an earlier snapshot."""
         taking, self.taking = self.taking, []
-        for fut in taking:
+        for owner, step, fut in taking:
             try:
                 fut.wait()
-            except Exception:  # noqa: BLE001 - the loss shows at the next step, which recovers from what is held
-                pass
+            except Exception as exc:  # noqa: BLE001 - a lost owner shows at the next step, which recovers from what is held
+                why = reason(exc)
+                if why not in self._said and not unresponsive([owner], timeout=3.0):
+                    self._said.add(why)
+                    self.notes.append(f"warning: {owner} could not take the snapshot of step {step} ({why}); a lost "
+                                      f"owner is recovered from an earlier snapshot, or ends the run without one")
 
     def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
                 redo: str = "") -> RolledBack:

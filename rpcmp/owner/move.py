@@ -63,9 +63,8 @@ def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False
     wanted = (lambda n: True) if only is None else (lambda n: prefix + n in only)
     names = {prefix + n for n, _ in module.named_parameters() if wanted(n)}
     optim = stage_state.optimizer_state(pid, optim_rref, names, copy=copy) if optim_rref is not None else {}
-    own = (lambda t: t.detach().cpu().clone()) if copy else (lambda t: t.detach().cpu())
-    return {"params": {n: own(p) for n, p in module.named_parameters() if wanted(n)},
-            "buffers": {n: own(b) for n, b in module.named_buffers() if wanted(n)},
+    return {"params": {n: stage_state.on_host(p, copy) for n, p in module.named_parameters() if wanted(n)},
+            "buffers": {n: stage_state.on_host(b, copy) for n, b in module.named_buffers() if wanted(n)},
             "optimizer": optim, "fields": read_fields(optim_rref.local_value().optim) if optim_rref is not None else {},
             "training": module.training, "rng": stage_state.rng_state() if rng else None,
             "counters": {k: getattr(host, k) for k in _COUNTERS}, "prefix": host.spec.prefix}

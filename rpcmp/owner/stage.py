@@ -72,7 +72,10 @@ class StageHost:
     module: torch.nn.Module
     device: torch.device
     next_process: str | None  # owner of the next stage; None: this is the last stage
-    keep_on_device: bool
+    # Job(device_maps=True): the processes this stage's device has a TensorPipe map to, set when the RPC world
+    # started. A stage moved or rebuilt since (a move, a re-cut, a spare) may send on to a process outside them:
+    # that hop goes through host memory, as TensorPipe refuses a CUDA tensor to a process with no map.
+    keep_on_device: frozenset[str]
     timeout: float
     autocast: torch.dtype | None = None  # Job.precision bf16 / fp16: the stage runs under autocast
     wire: str = "fp32"  # Job.wire: the format activations and their gradients cross between stages in (core.wire)
@@ -135,7 +138,7 @@ class StageHost:
             y, posts = y
             if self.device.type != "cpu":  # posts go as CPU tensors: device maps cover neighbours only
                 posts = to_device(posts, torch.device("cpu"))
-        if self.device.type != "cpu" and not (self.keep_on_device and self.next_process not in (None, MASTER)):
+        if self.device.type != "cpu" and self.next_process not in self.keep_on_device:
             y = to_device(y, torch.device("cpu"))
         if self.wire != "fp32":  # to later stages (the master's loss takes float32)
             with torch.set_grad_enabled(grad):
@@ -193,7 +196,8 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
                 module = build_stage(served.job, spec, device=device).to(device)
     except Exception as exc:  # noqa: BLE001 - reported on the master
         return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
-    keep = bool(options["device_maps"])
+    keep = frozenset(peer for peer, m in served.device_maps.items() if str(device) in m and peer != MASTER
+                     ) if options["device_maps"] else frozenset()
     bn = has_batchnorm(module, spec)
     if options["recompute"]:
         make_recomputable(module)

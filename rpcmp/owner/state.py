@@ -10,14 +10,22 @@ import torch
 from ..core.served import current
 from .stage import named_params
 
-__all__ = ["state_meta", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
+__all__ = ["on_host", "state_meta", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
            "load_optimizer_state", "rng_state", "set_rng_state", "save_stage", "remove_incomplete"]
+
+
+def on_host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """``t`` on the CPU, where state leaves a stage (over RPC, which takes CPU tensors, or into a snapshot, which
+    must not take device memory): a CUDA tensor's copy; a CPU tensor itself, or with ``copy`` a copy that later
+    steps leave alone."""
+    t = t.detach()
+    return t.cpu() if t.device.type != "cpu" else t.clone() if copy else t
 
 
 def _cpu_state(host, copy: bool = True) -> dict[str, torch.Tensor]:
     """The stage's parameters and buffers on the CPU, keyed as in the stage (without ``copy``,
     CPU tensors are the live ones)."""
-    return {k: v.detach().cpu().clone() if copy else v.detach().cpu() for k, v in host.module.state_dict().items()}
+    return {k: on_host(v, copy) for k, v in host.module.state_dict().items()}
 
 
 def state_meta(pid: int, index: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -70,22 +78,31 @@ def load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> Non
 def optimizer_state(pid: int, optim_rref, only: set[str] | None = None,
                      copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """This process's optimizer state (of parameters named in ``only``, if given), keyed by
-    the unsplit model's parameter names (without ``copy``: the live tensors)."""
+    the unsplit model's parameter names, on the CPU (without ``copy``: the live tensors of CPU stages)."""
     optim = optim_rref.local_value().optim
     names = named_params(pid)
-    return {names[p]: {k: v.detach().clone() if isinstance(v, torch.Tensor) and copy else v for k, v in st.items()}
+    return {names[p]: {k: on_host(v, copy) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
             for p, st in optim.state.items() if p in names and (only is None or names[p] in only)}
 
 
 def load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch.Tensor]], copy: bool = True) -> int:
-    """Give this process's parameters their optimizer state by name (without ``copy``, the tensors
-    themselves: memory-mapped ones are copied on write, page by page, as the optimizer updates them)."""
+    """Give this process's parameters their optimizer state by name, on each parameter's device as
+    ``Optimizer.load_state_dict`` puts it (a step count stays on the CPU). Without ``copy``, CPU
+    tensors themselves: memory-mapped ones are copied on write, page by page, as the optimizer
+    updates them."""
     optim = optim_rref.local_value().optim
     loaded = 0
+
+    def placed(v: Any, device: torch.device) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if v.dim() and v.device != device:
+            return v.to(device)
+        return v.clone() if copy else v
+
     for param, name in named_params(pid).items():
         if name in states:
-            optim.state[param] = {k: v.clone() if isinstance(v, torch.Tensor) and copy else v
-                                  for k, v in states[name].items()}
+            optim.state[param] = {k: placed(v, param.device) for k, v in states[name].items()}
             loaded += 1
     return loaded
 

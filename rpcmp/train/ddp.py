@@ -167,6 +167,7 @@ class DDPEngine:
                 out = self.model.module(to_device(x, self.device))
             n = batch_size(x)
             acc += torch.tensor([float(self.job.metric(out.float().cpu(), y)) * n, n], dtype=torch.float64)
+        acc = acc.to(self.device)  # NCCL reduces device tensors only
         dist.all_reduce(acc)
         self.model.train()
         return (acc[0] / acc[1].clamp(min=1)).item()

@@ -138,6 +138,7 @@ class PipelineEngine:
             warm(self.spares, self.pipe.specs[0])
         if self.snapshots is not None:
             self.snapshots.snap(step, position) if first or notes else self.snapshots.after_step(step, position)
+            notes, self.snapshots.notes = notes + self.snapshots.notes, []
         return "\n".join(notes + self._spares_lost()) or None
 
     def _recut_snapshot(self) -> None:

@@ -1,12 +1,20 @@
 """The CUDA paths, proven where a GPU is: CUDA stages in separate processes (with and without
 TensorPipe device maps), a language model cut on its traced graph on CUDA stages, Adam state of
-CUDA stages through a checkpoint and resume, DDP with NCCL and fp16 loss scaling, and replicas of
-CUDA stages. Skipped without CUDA; ``make gpu-check``
-runs them and prints a report (tests/gpu/check.py)."""
+CUDA stages through a checkpoint and resume, CUDA stages moved while training and a lost CUDA
+owner rebuilt on a spare (with and without device maps), DDP with NCCL and fp16 loss scaling, and
+replicas of CUDA stages. Skipped without CUDA; ``make gpu-check`` runs them and prints a report
+(tests/gpu/check.py)."""
+import functools
+import os
+import random
+import signal
+import threading
+import time
+
 import pytest
 import torch
 
-from helpers import assert_close_f32, batches, load, run_ranks, train_reference
+from helpers import assert_close_f32, batches, load, metric_steps, run_ranks, train_reference
 from rpcmp.core.checkpoint import load_checkpoint
 
 pytestmark = [pytest.mark.integration,
@@ -61,6 +69,68 @@ def test_a_language_model_cut_on_its_traced_graph_trains_on_cuda_stages_as_the_u
     ref_losses, ref_state = train_reference(job.model(), adamw, job.loss, _lm_batches(job))
     assert_close_f32(losses, ref_losses, **GPU_F32)
     assert_close_f32(state, ref_state, **GPU_F32)
+
+
+def _moved_steps(job, world_size):
+    """Six steps; before step 2 stage 1 moves to worker3, before step 4 stage 0 moves to worker2: with device
+    maps, the hops worker3 -> worker2 and back have none (the maps were set for worker1 <-> worker2)."""
+    from rpcmp.train.engine import make_engine
+    pipe = make_engine(job, world_size).pipe
+    losses = []
+    for step, (x, y) in enumerate(batches(6, size=8)):
+        if step == 2:
+            pipe.move_stage(1, "worker3/cuda:0")
+        if step == 4:
+            pipe.move_stage(0, "worker2/cuda:0")
+        losses.append(pipe.train_step(x, y).item())
+    return losses, pipe.state_dict(), list(pipe.owners)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("device_maps", [False, True])
+def test_cuda_stages_moved_while_training_train_as_the_unsplit_model(device_maps):
+    job = load("mlp")
+    losses, state, owners = run_ranks("mlp", 4, _moved_steps, {**ON_GPU, "device_maps": device_maps, "microbatches": 2})
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, batches(6, size=8))
+    assert owners == ["worker2", "worker3"]
+    assert_close_f32(losses, ref_losses, **GPU_F32)
+    assert_close_f32(state, ref_state, **GPU_F32)
+
+
+def _fit_losing(job, world_size, at=None):
+    """``fit``; with ``at``, worker2 (stage 1) is SIGKILLed once the metrics show step ``at``."""
+    import torch.distributed.rpc as rpc
+    from rpcmp.train.trainer import fit
+    killed = threading.Event()
+    if at is not None:
+        pid = rpc.rpc_sync("worker2", os.getpid)
+
+        def kill():
+            while metric_steps(job.metrics_file) < at:
+                time.sleep(0.002)
+            os.kill(pid, signal.SIGKILL)
+            killed.set()
+        threading.Thread(target=kill, daemon=True).start()
+    return fit(job, world_size)["steps"], killed.is_set()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("device_maps", [False, True])
+def test_a_lost_cuda_owner_is_rebuilt_on_the_spare_and_the_model_equals_an_uninterrupted_run(tmp_path, device_maps):
+    """tests/jobs/three.py (dropout in stage 1: the CUDA generators come back with the snapshot) on three CUDA
+    stages and a spare; the owner of stage 1 SIGKILLed after the step-10 snapshot."""
+    common = {"placement": [f"worker{i}/cuda:0" for i in (1, 2, 3)], "spares": 1, "max_steps": 30, "epochs": 1,
+              "device_maps": device_maps}
+    runs = {}
+    for name, at in (("clean", None), ("lost", random.randint(11, 15))):
+        folder = str(tmp_path / name)
+        steps, killed = run_ranks("three", 5, functools.partial(_fit_losing, at=at), timeout=240,
+                                  overrides={**common, "checkpoint_dir": folder, "metrics_file": folder + ".jsonl"})
+        assert steps == 30 and killed == (at is not None)
+        runs[name] = load_checkpoint(folder)
+    assert runs["lost"]["step"] == runs["clean"]["step"] == 30
+    assert_close_f32(runs["lost"]["model"], runs["clean"]["model"], **GPU_F32)
 
 
 def _fit(job, world_size):

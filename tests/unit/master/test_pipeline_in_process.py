@@ -289,3 +289,33 @@ def test_a_parameter_shared_by_two_stages_trains_as_one(job, clip):
     assert_close_f32(losses, ref_losses)
     assert_close_f32(state, model.state_dict())
     torch.testing.assert_close(state["0.weight"], state["2.weight"], rtol=0, atol=0)  # the copies never part
+
+
+@pytest.mark.parametrize("scripts", [False, True], ids=["functional-python", "torch-that-scripts"])
+def test_the_local_optimizers_hold_state_that_rpcmp_writes_into(job, monkeypatch, scripts):
+    """Under a torch that compiles the functional optimizers with TorchScript (there, Python reads a copy of their
+    state: a resume's or a rollback's writes were lost), the local optimizers are torch.optim ones; writing a
+    moment by name reaches the optimizer that steps. See [Note: local optimizers rpcmp can write]."""
+    from torch.distributed.optim import optimizer as dist_optim
+    from rpcmp.master.move import distributed_optimizer
+    from rpcmp.owner import state as stage_state
+    plain = scripts or hasattr(dist_optim, "_new_script_local_optimizer")  # this torch scripts them itself
+    if scripts:  # what such a torch has; its constructor then asks whether TorchScript is on
+        monkeypatch.setattr(dist_optim, "_new_script_local_optimizer", dist_optim._new_local_optimizer, raising=False)
+    adam = dataclasses.replace(job, optimizer=(torch.optim.Adam, {"lr": 0.01}))
+    serve(adam)
+    pipe = rpcmp.Pipeline(adam, world_size=1)
+    cls, kwargs = pipe.optimizer_spec
+    optim = distributed_optimizer(cls, pipe.param_rrefs, **kwargs)
+    assert torch.jit._state._enabled  # on again after the constructor chose
+    local = optim.remote_optimizers[0].local_value().optim
+    assert isinstance(local, torch.optim.Adam) == plain
+    pipe.optimizer = optim
+    pipe.train_step(*batches(1)[0])
+    state = stage_state.optimizer_state(pipe.pid, optim.remote_optimizers[0])
+    name = next(iter(state))
+    state[name]["exp_avg"] = torch.full_like(state[name]["exp_avg"], 7.0)
+    stage_state.load_optimizer_state(pipe.pid, optim.remote_optimizers[0], {name: state[name]})
+    assert torch.equal(stage_state.optimizer_state(pipe.pid, optim.remote_optimizers[0])[name]["exp_avg"],
+                       state[name]["exp_avg"])
+    pipe.close()
