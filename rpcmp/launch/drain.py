@@ -8,7 +8,10 @@ only if the MAC proves the token, once per nonce. Between two steps the master m
 stage of rank R to a spare (``Pipeline.move_stage``: the same math), lets R's process leave
 the run (its daemon then says "ended (exit 0)" and waits for the next job, so the node can be
 rebooted) and answers with a MAC over its message, which ``rpcmp drain`` checks before it
-believes it. Without a free spare the master refuses and the job goes on as it was.
+believes it. Without a free spare the master refuses and the job goes on as it was. With
+snapshots (spares left after the drain), R leaves only once the snapshot of the stages where
+they now are has reached every buddy: until then R holds buddy copies and the moved stages'
+old ones, and an owner lost in that window was a loss no snapshot covered (the run ended).
 ``rpcmp rebalance --master HOST:PORT --token-file T`` travels the same way (the action is under the
 MAC): the master measures its stages over the next steps once, as ``--rebalance`` does, re-cuts if
 it pays, and answers with what it decided.

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from ..core.checkpoint import latest_checkpoint, load_checkpoint
 from ..data import data_loader, epoch_batches, step_groups
-from ..core.health import unless_lost, watch
+from ..core.health import reason, unless_lost, watch
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
 from ..master.livecopy import LiveCopies
@@ -203,11 +203,22 @@ class PipelineEngine:
             took = sum(self.pipe.move_stage(k, f"{spare}/{pipe.places[k].device}", replica=r) for k in held)
             what = f"replica {r} stage" if self.replicated else "stage"
             text = (f"drained {name}: {what} {', '.join(str(k) for k in held)} moved to {spare} in {took:.2f} s; "
-                    f"{name} leaves the run")
+                    f"{name} leaves the run{self._drain_snapshot()}")
         current().lost.add(name)
         rpc.rpc_sync(name, owner_move.leave_soon, args=(0,))
         control.answer(number, nonce, True, text)
         return text
+
+    def _drain_snapshot(self) -> str:
+        """A drain's snapshot of the stages where they are now, landed before the drained rank leaves (see
+        [Note: draining a rank]); what to add to the drain's line when it could not land."""
+        if self.snapshots is None or not self.spares:  # no spare left: no loss can be replaced, nothing to cover
+            return ""
+        try:
+            self.snapshots.snap(self.at[0], self.at[1:], landed=True)
+        except Exception as exc:  # noqa: BLE001 - an owner lost meanwhile: the next step fails and says it
+            return f" (the snapshot after the move did not land: {reason(exc)})"
+        return ""
 
     def evaluate(self, dataset) -> float:
         """The held-out metric. With spares, an owner lost during the evaluation is replaced as in a step; an

@@ -32,6 +32,7 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
         raise JobError(f"the training set has {len(train_set)} samples, fewer than one step of "
                        f"{job.batch_size} x {job.accumulate} (batch_size x accumulate)")
     console.print(engine.describe())
+    engine.status.checkpoint_dir = job.checkpoint_dir  # for the message that names a lost process
     with health.explained(engine.explain), StopRequest(engine.is_main and engine.mode == "pipeline") as stop:
         return _train(job, engine, console, train_set, heldout, per_epoch, stop)
 

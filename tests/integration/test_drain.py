@@ -85,3 +85,54 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
     assert "ended (exit 0)" in text and "worker daemon stopped" in text, text
     assert "ended (exit 0)" in open(tmp_path / "worker3.log").read()
     assert_close_f32(load_checkpoint(str(tmp_path / "drained"))["model"], load_checkpoint(str(tmp_path / "clean"))["model"])
+
+
+@pytest.mark.timeout(420)
+def test_an_owner_lost_just_after_a_drain_is_replaced_from_the_snapshot_of_the_drained_layout(tmp_path):
+    """Two spares: worker1 is drained (its stage 0 to worker3), and the node of worker2 (stage 1) is SIGKILLed
+    as soon as `rpcmp drain` has its answer. The buddy of stage 1 is now worker3, which takes 2 s to keep a
+    copy (tests/jobs/paced_slow_keep.py); the copy of stage 1 before the drain left with worker1. The drain
+    answers once that snapshot has landed, so the loss is replaced from it (worker4) and the model is an
+    undisturbed run's; before, the drain answered first and the run ended ("no snapshot holds the lost stages")."""
+    port = free_port()
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    logs = [open(tmp_path / f"worker{r}.log", "w") for r in (1, 2, 3, 4)]
+    daemons = [subprocess.Popen([RPCMP, "worker", "--master", f"127.0.0.1:{port}", "--rank", str(r), "--token-file",
+                                 str(token), "--preload", ""], stdout=logs[r - 1], stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "SLOW_KEEP_S": "2" if r == 3 else "0"})
+               for r in (1, 2, 3, 4)]
+    master = subprocess.Popen([RPCMP, "run", job_path("paced_slow_keep"), "--workers", "4", "--listen",
+                               f"127.0.0.1:{port}", "--token-file", str(token), "--epochs", "200", "--threads", "1",
+                               "--spares", "2", "--checkpoint-dir", str(tmp_path / "run"), "--metrics",
+                               str(tmp_path / "m.jsonl")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "COLUMNS": "200", "PACED_STEP_S": "0.25"})
+    try:
+        deadline = time.monotonic() + 120
+        while metric_steps(tmp_path / "m.jsonl") < 12:
+            assert master.poll() is None and time.monotonic() < deadline, master.communicate()[0]
+            time.sleep(0.05)
+        done = _drain(port, 1, token)
+        os.killpg(daemons[1].pid, signal.SIGKILL)  # worker2's daemon and its job process: the node is gone
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "drained worker1: stage 0 moved to worker3" in done.stdout, done.stdout
+        at = metric_steps(tmp_path / "m.jsonl")
+        while metric_steps(tmp_path / "m.jsonl") < at + 8:
+            assert master.poll() is None and time.monotonic() < deadline + 120, master.communicate()[0]
+            time.sleep(0.05)
+        master.send_signal(signal.SIGTERM)
+        out, _ = master.communicate(timeout=240)
+    finally:
+        if master.poll() is None:
+            master.kill()
+        for d in daemons:
+            if d.poll() is None:
+                d.terminate()
+        for d in daemons:
+            d.wait(30)
+    assert master.returncode == 128 + signal.SIGTERM, out
+    assert "recovered: worker2 was lost" in out and "rebuilt on worker4" in out, out
+    steps = int(re.search(r"stopped by SIGTERM after step (\d+): checkpoint in", out).group(1))
+    assert run_ranks("paced", 5, fit_steps, {"epochs": 200, "threads": 1, "spares": 2, "max_steps": steps,
+                                        "checkpoint_dir": str(tmp_path / "clean")}, timeout=300) == steps
+    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], load_checkpoint(str(tmp_path / "clean"))["model"])

@@ -27,6 +27,9 @@ def test_the_run_status_names_the_lost_process_its_stages_the_step_and_the_way_b
     status = RunStatus(stages={"worker2": ["stage 1 decoder"]})
     assert status.describe(["worker2"], "stopped answering").startswith(
         "before the first step: worker2 (stage 1 decoder) stopped answering. Look at")
+    assert "(--checkpoint-dir DIR to keep progress)" in status.describe(["worker2"], "left")
+    status.checkpoint_dir = "runs/a"  # given, nothing saved yet: not told to give it
+    assert status.describe(["worker2"], "left").endswith("No checkpoint was written in runs/a yet")
     status.step, status.checkpoint = 7, "ck/step-6.pt"
     text = status.describe(["worker3"], "did not answer for 5s")
     assert "at step 7: worker3 (no stage) did not answer for 5s" in text and "ck/step-6.pt: rerun with --resume" in text
