@@ -1,9 +1,10 @@
 """The CUDA paths, proven where a GPU is: CUDA stages in separate processes (with and without
 TensorPipe device maps), a language model cut on its traced graph on CUDA stages, Adam state of
 CUDA stages through a checkpoint and resume, CUDA stages moved while training and a lost CUDA
-owner rebuilt on a spare (with and without device maps), DDP with NCCL and fp16 loss scaling, and
-replicas of CUDA stages. Skipped without CUDA; ``make gpu-check`` runs them and prints a report
-(tests/gpu/check.py)."""
+owner rebuilt on a spare (with and without device maps), narrow wires, bf16 autocast and
+recomputation on CUDA stages, DDP with NCCL and fp16 loss scaling, and replicas of CUDA stages.
+Skipped without CUDA; ``make gpu-check`` runs them and prints a report (tests/gpu/check.py)."""
+import dataclasses
 import functools
 import os
 import random
@@ -14,6 +15,7 @@ import time
 import pytest
 import torch
 
+import rpcmp
 from helpers import assert_close_f32, batches, load, metric_steps, run_ranks, train_reference
 from rpcmp.core.checkpoint import load_checkpoint
 
@@ -131,6 +133,39 @@ def test_a_lost_cuda_owner_is_rebuilt_on_the_spare_and_the_model_equals_an_unint
         runs[name] = load_checkpoint(folder)
     assert runs["lost"]["step"] == runs["clean"]["step"] == 30
     assert_close_f32(runs["lost"]["model"], runs["clean"]["model"], **GPU_F32)
+
+
+def _variants(job, world_size, variants):
+    out = {}
+    for name, options in variants.items():
+        pipe = rpcmp.Pipeline(dataclasses.replace(job, **options), world_size)
+        out[name] = ([pipe.train_step(x, y).item() for x, y in batches(3, size=8)], pipe.state_dict())
+        pipe.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_narrow_wires_and_autocast_on_cuda_stages_train_within_their_rounding():
+    """``wire="bf16"`` and ``"int8"`` (per-row scales computed on the device) and ``precision="bf16"``."""
+    narrow = {"wire-bf16": {"wire": "bf16"}, "wire-int8": {"wire": "int8"}, "autocast-bf16": {"precision": "bf16"}}
+    got = run_ranks("mlp", 3, functools.partial(_variants, variants={"fp32": {}, **narrow}),
+                    {**ON_GPU, "microbatches": 2})
+    wide_losses, wide_state = got["fp32"]
+    for name in narrow:
+        losses, state = got[name]
+        assert losses != wide_losses, name  # the format was used
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(wide_losses), rtol=3e-2, atol=3e-2, msg=name)
+        for key, value in state.items():
+            torch.testing.assert_close(value, wide_state[key], rtol=3e-2, atol=3e-2, msg=f"{name} {key}")
+
+
+@pytest.mark.timeout(240)
+def test_recomputation_on_cuda_stages_redraws_the_same_dropout_and_trains_as_without():
+    """tests/jobs/three.py (dropout in stage 1): the backward's recomputation restores the CUDA generator."""
+    cuda = {"placement": [f"worker{i}/cuda:0" for i in (1, 2, 3)]}
+    got = run_ranks("three", 4, functools.partial(_variants, variants={"plain": {}, "recompute": {"recompute": True}}),
+                    cuda)
+    assert_close_f32(got["recompute"], got["plain"], **GPU_F32)
 
 
 def _fit(job, world_size):
