@@ -128,7 +128,7 @@ def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptio
         # "basic" moves tensor bytes over the transport itself; measured against "cma" and
         # "mpt_uv" on the 2-stage MLP it was as fast or faster, and it works across nodes.
         # Device maps need a CUDA channel as well: CUDA IPC on one node, else through host memory.
-        _channels=["cuda_ipc", "cuda_basic", "basic"] if job.device_maps else ["basic"],
+        _channels=["cuda_ipc", "cuda_basic", "basic"] if job.device_maps and torch.cuda.is_available() else ["basic"],
     )
 
 
