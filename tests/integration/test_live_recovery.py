@@ -1,8 +1,8 @@
 """A lost owner replaced in place (``--spares``): the owner of stage 1 is killed (SIGKILL) or
 stopped (SIGSTOP past ``--hang-timeout``) from outside at a random step, by the test, not by
 rpcmp; the run ends exit 0, says one recovery line, and its model equals an uninterrupted
-run's. Without a spare, or when a second owner is lost, the run ends as it always did."""
-import json
+run's. Without a spare, or when a second owner is lost, the run ends as it always did. Replicated
+pipelines: test_live_copies.py; a language model: test_live_recovery_language_model.py."""
 import os
 import random
 import re
@@ -150,21 +150,6 @@ def test_a_spare_stopped_while_the_run_trains_does_not_hold_up_its_end(tmp_path,
 
 
 @pytest.mark.timeout(300)
-def test_a_language_model_s_first_stage_lost_with_its_tied_embedding_is_rebuilt_and_equals_an_uninterrupted_run(tmp_path):
-    """Hugging Face GPT-2 built from its config, cut in 3 on the traced graph: stage 0 holds wte, which the last
-    stage's lm_head shares (one parameter across two stages); its owner is SIGKILLed after the first snapshot."""
-    lm = ["--spares", "1", "--epochs", "10"]  # 6 steps an epoch
-    clean = subprocess.run(_command(tmp_path / "clean", *lm, job="hf_gpt2"), capture_output=True, text=True, timeout=240)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    code, out = _run_and_hit(tmp_path / "run", [(random.randint(11, 15), "worker1", signal.SIGKILL)], *lm, job="hf_gpt2")
-    assert code == 0, out
-    assert out.count("recovered: worker1 was lost") == 1 and "rebuilt on worker4 from the snapshot of step 10" in out, out
-    got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(tmp_path / "clean"))
-    assert got["step"] == want["step"] == STEPS
-    assert_close_f32(got["model"], want["model"])
-
-
-@pytest.mark.timeout(300)
 def test_a_lost_spare_is_named_at_once_and_an_owner_lost_later_ends_the_run(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker4", signal.SIGKILL), (12, "worker2", signal.SIGKILL)],
                              "--spares", "1")
@@ -216,76 +201,6 @@ def _stage_error_with_spares(job, world_size):
 def test_a_stage_s_own_error_with_spares_is_said_as_itself_not_recovered():
     name, text, lost = run_ranks("fragile", 5, _stage_error_with_spares, {"spares": 1}, timeout=90)
     assert name == "StageError" and "backward exploded" in text and lost == []
-
-
-REPLICATED = ("--local", "6", "--spares", "1", "--max-steps", "40")
-
-
-@pytest.fixture(scope="module")
-def replicated_clean(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("replicated") / "clean"
-    done = subprocess.run(_command(folder, *REPLICATED, job="replicated_dies"), capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return folder
-
-
-def _losses(folder) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, open(str(folder) + ".jsonl")) if r.get("kind") == "step"]
-
-
-def _assert_as_uninterrupted(folder, clean) -> None:
-    """No step trained twice or skipped, the same losses and the same model as the run nobody hit."""
-    got, want = _losses(folder), _losses(clean)
-    assert [s for s, _ in got] == list(range(1, 41))
-    torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]))
-    assert_close_f32(load_checkpoint(str(folder))["model"], load_checkpoint(str(clean))["model"])
-
-
-@pytest.mark.timeout(300)
-def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_lost(tmp_path, replicated_clean):
-    """Two copies of two stages (dropout in stage 0) and a spare: any owner killed at a random step."""
-    at, victim = random.randint(3, 15), f"worker{random.randint(1, 4)}"
-    print(f"killing {victim} at step {at}")
-    code, out = _run_and_hit(tmp_path / "run", [(at, victim, signal.SIGKILL)], *REPLICATED, job="replicated_dies")
-    assert code == 0, out
-    assert out.count(f"recovered: {victim} was lost") == 1 and "rebuilt on worker5 from the live copy on" in out, out
-    assert "no step lost" in out, out
-    _assert_as_uninterrupted(tmp_path / "run", replicated_clean)
-
-
-@pytest.mark.timeout(300)
-def test_a_copy_that_fails_before_the_copies_meet_leaves_no_other_copy_counting_the_step_as_taken(tmp_path):
-    """Two copies of three stages (SGD with momentum, M=4) and a spare; copy 1's first owner is SIGKILLed as step
-    11 starts, while copy 0 computes or waits to meet it. Copy 0's meeting breaks, and it used to return as if it
-    had taken the step: the step 'stood' with nobody having taken it, one step skipped, the model off by it,
-    and nothing said."""
-    grid = ["--local", "8", "--replicas", "2", "--spares", "1"]
-    clean = subprocess.run(_command(tmp_path / "clean", *grid, job="uneven"), capture_output=True, text=True,
-                           timeout=240)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    code, out = _run_and_hit(tmp_path / "run", [(10, "worker2", signal.SIGKILL)], *grid, job="uneven")
-    assert code == 0, out
-    assert out.count("recovered: worker2 was lost") == 1 and "no step lost" in out, out
-    got, want = _losses(tmp_path / "run"), _losses(tmp_path / "clean")
-    assert [s for s, _ in got] == list(range(1, STEPS + 1))
-    torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]))
-    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], load_checkpoint(str(tmp_path / "clean"))["model"])
-
-
-@pytest.mark.timeout(300)
-def test_an_owner_lost_in_its_optimizer_step_while_the_other_copy_steps_loses_no_step(tmp_path, replicated_clean):
-    """The owner dies inside its optimizer step: the copies have met and averaged, the other copy takes the
-    step (and its own copy's other owner may have taken it too): the step stands, taken from the other copy."""
-    at, victim = random.randint(2, 15), f"worker{random.randint(1, 4)}"
-    print(f"{victim} dies in its optimizer step {at}")
-    done = subprocess.run(_command(tmp_path / "run", *REPLICATED, job="replicated_dies"), capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "DIE_IN_STEP": f"{victim}:{at}", "COLUMNS": "200"})
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out
-    assert out.count(f"recovered: {victim} was lost") == 1, out
-    assert f"no step lost (step {at} stood: replica" in out and "other stages retaken from the same copy" in out, out
-    _assert_as_uninterrupted(tmp_path / "run", replicated_clean)
 
 
 def _train_then_lose_worker2(job, world_size):
