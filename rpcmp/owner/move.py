@@ -255,10 +255,4 @@ def _take_state(state: dict, param: torch.Tensor, got: dict[str, Any], copy: boo
                     have[k] = v
         return
 
-    def fresh(v: Any) -> Any:
-        if not isinstance(v, torch.Tensor):
-            return v
-        if v.dim():
-            return v.to(param.device, copy=copy)
-        return v.clone() if copy else v  # a step count stays where the optimizer keeps it
-    state[param] = {k: fresh(v) for k, v in got.items()}
+    state[param] = {k: stage_state.beside(v, param, copy) for k, v in got.items()}

@@ -11,7 +11,7 @@ from ..core.served import current
 from .stage import named_params
 
 __all__ = ["on_host", "state_meta", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
-           "load_optimizer_state", "rng_state", "set_rng_state", "save_stage", "remove_incomplete"]
+           "load_optimizer_state", "beside", "rng_state", "set_rng_state", "save_stage", "remove_incomplete"]
 
 
 def on_host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
@@ -92,19 +92,22 @@ def load_optimizer_state(pid: int, optim_rref, states: dict[str, dict[str, torch
     updates them."""
     optim = optim_rref.local_value().optim
     loaded = 0
-
-    def placed(v: Any, device: torch.device) -> Any:
-        if not isinstance(v, torch.Tensor):
-            return v
-        if v.dim() and v.device != device:
-            return v.to(device)
-        return v.clone() if copy else v
-
     for param, name in named_params(pid).items():
         if name in states:
-            optim.state[param] = {k: placed(v, param.device) for k, v in states[name].items()}
+            optim.state[param] = {k: beside(v, param, copy) for k, v in states[name].items()}
             loaded += 1
     return loaded
+
+
+def beside(value: Any, param: torch.Tensor, copy: bool) -> Any:
+    """An optimizer state value for ``param`` where the optimizer keeps it: a tensor with dimensions on the
+    parameter's device, a step count where it is (as ``Optimizer.load_state_dict`` puts them); with ``copy``,
+    never ``value`` itself."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim():
+        return value.to(param.device, copy=copy)
+    return value.clone() if copy else value
 
 
 def rng_state() -> dict[str, Any]:

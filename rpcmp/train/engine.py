@@ -89,7 +89,7 @@ class PipelineEngine:
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
         # a re-cut's snapshot before the old parts go: see [Note: a re-cut and its snapshot] in rpcmp/master/recut.py
-        self.recut_hook = self._recut_snapshot if self.snapshots is not None else None
+        self.recut_hook = self._landed_snapshot if self.snapshots is not None else None
         self.rebalancer = Rebalancer(pipe, before_commit=self.recut_hook) if job.rebalance else None
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
@@ -141,9 +141,9 @@ class PipelineEngine:
             notes, self.snapshots.notes = notes + self.snapshots.notes, []
         return "\n".join(notes + self._spares_lost()) or None
 
-    def _recut_snapshot(self) -> None:
-        """A re-cut's snapshot of its new cut, landed before the old parts go (see [Note: a re-cut and its
-        snapshot] in rpcmp/master/recut.py)."""
+    def _landed_snapshot(self) -> None:
+        """A snapshot of the stages where they are now, landed on every buddy: a re-cut's before the old parts go
+        (see [Note: a re-cut and its snapshot] in rpcmp/master/recut.py), a drain's before the rank leaves."""
         self.snapshots.snap(self.at[0], self.at[1:], landed=True)
 
     def _spares_lost(self) -> list[str]:
@@ -215,7 +215,7 @@ class PipelineEngine:
         if self.snapshots is None or not self.spares:  # no spare left: no loss can be replaced, nothing to cover
             return ""
         try:
-            self.snapshots.snap(self.at[0], self.at[1:], landed=True)
+            self._landed_snapshot()
         except Exception as exc:  # noqa: BLE001 - an owner lost meanwhile: the next step fails and says it
             return f" (the snapshot after the move did not land: {reason(exc)})"
         return ""
