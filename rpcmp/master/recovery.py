@@ -155,9 +155,10 @@ class Snapshots:
         gone = owners_lost[0] if owners_lost else None
         stages = [k for k, o in enumerate(pipe.owners) if o == gone]
         buddies = self.buddies(pipe.owners) if self.every else None
-        step = self._whole_snapshot(buddies, gone, stages) if buddies and len(owners_lost) == 1 and self.spares else None
+        step, held = (self._whole_snapshot(buddies, gone, stages) if buddies and len(owners_lost) == 1 and self.spares
+                      else (None, ""))
         ckpt = self._checkpoint() if step is None and len(owners_lost) == 1 and self.spares else None
-        why = self._cannot(owners_lost, step, ckpt)
+        why = self._cannot(owners_lost, step, ckpt, held)
         if why:
             if owners_lost:  # a stage's own error, a NaN loss: not a loss of a process, nothing to say here
                 print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)
@@ -175,18 +176,24 @@ class Snapshots:
                                    f"{source}; every stage rolled back to step {position[0]}; "
                                    f"{time.perf_counter() - start:.2f} s")
 
-    def _whole_snapshot(self, buddies: dict[int, str], gone: str, stages: list[int]) -> int | None:
+    def _whole_snapshot(self, buddies: dict[int, str], gone: str, stages: list[int]) -> tuple[int | None, str]:
         """The step of the snapshot the buddies of the lost ``stages`` hold, if every surviving owner holds its
-        own copy of that step too (each keeps its last two) and the master its part."""
+        own copy of that step too (each keeps its last two) and the master its part; else None, and what each
+        held (for the line that says the run cannot go on)."""
         pid = self.pipe.pid
+        survivors = sorted(set(self.pipe.owners) - {gone})
         try:
-            held = {rpc.rpc_sync(buddies[k], snapshot.held, args=(pid, k), timeout=10) for k in stages}
-            owned = wait_all([rpc.rpc_async(o, snapshot.own_steps, args=(pid,), timeout=10)
-                              for o in sorted(set(self.pipe.owners) - {gone})])
-        except Exception:  # noqa: BLE001 - a process that does not answer holds nothing we can use
-            return None
-        step = held.pop() if len(held) == 1 else None
-        return step if step in self.kept and all(step in steps for steps in owned) else None
+            held = {k: rpc.rpc_sync(buddies[k], snapshot.held, args=(pid, k), timeout=10) for k in stages}
+            owned = wait_all([rpc.rpc_async(o, snapshot.own_steps, args=(pid,), timeout=10) for o in survivors])
+        except Exception as exc:  # noqa: BLE001 - a process that does not answer holds nothing we can use
+            return None, f"asking what the others hold failed: {reason(exc)}"
+        steps = set(held.values())
+        step = steps.pop() if len(steps) == 1 else None
+        if step is not None and step in self.kept and all(step in s for s in owned):
+            return step, ""
+        return None, "; ".join([f"{buddies[k]} holds stage {k}'s copy of step {s}" for k, s in held.items()]
+                               + [f"{o} its own of steps {s}" for o, s in zip(survivors, owned)]
+                               + [f"the master its part of steps {sorted(self.kept)}"])
 
     def _checkpoint(self) -> dict | None:
         """The run's last checkpoint, whole in the master's folder (a folder the nodes share), or None."""
@@ -238,11 +245,12 @@ class Snapshots:
             self.snap(ckpt["step"], (ckpt["epoch"], ckpt["next_batch"]))
         return (ckpt["step"], ckpt["epoch"], ckpt["next_batch"]), f"the checkpoint of step {ckpt['step']} ({ckpt['path']})"
 
-    def _cannot(self, owners_lost: list[str], step: int | None, ckpt: dict | None) -> str | None:
+    def _cannot(self, owners_lost: list[str], step: int | None, ckpt: dict | None, held: str = "") -> str | None:
         why = cannot_replace(owners_lost, self.spares)
         if why is None and step is None and ckpt is None:
-            return ("no snapshot holds the lost stages (--snapshot-every N) and no checkpoint of this run is whole in "
-                    "the master's folder (--checkpoint-dir on a folder every node shares)")
+            return ("no snapshot holds the lost stages (--snapshot-every N)" + (f" ({held})" if held else "")
+                    + " and no checkpoint of this run is whole in the master's folder (--checkpoint-dir on a folder "
+                    "every node shares)")
         return why
 
 

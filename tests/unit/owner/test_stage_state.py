@@ -131,6 +131,22 @@ def test_a_snapshot_an_owner_that_answers_could_not_take_is_said_once_per_reason
     assert "only supports CPU tensors" in snaps.notes[0] and "earlier snapshot" in snaps.notes[0]
 
 
+def test_a_snapshot_not_whole_says_what_each_process_holds(pipe):
+    """The line that ends a run for want of a snapshot names, per process, the steps it holds."""
+    _step(pipe)
+    snaps = Snapshots(pipe, 5, ["worker9"])
+    snapshot.take(pipe.pid, 1, _optims(pipe), {0: "master", 1: "master"})
+    current().shipping[pipe.pid].wait()
+    snaps.kept = {1: {}}
+    assert snaps._whole_snapshot({0: "master", 1: "master"}, "worker2", [1]) == (1, "")
+    snaps.kept = {0: {}}  # the master's part of step 1 is gone: not whole
+    step, held = snaps._whole_snapshot({0: "master", 1: "master"}, "worker2", [1])
+    assert step is None and held == ("master holds stage 1's copy of step 1; master its own of steps [1]; "
+                                     "the master its part of steps [0]")
+    why = snaps._cannot(["worker2"], step, None, held)
+    assert why.startswith("no snapshot holds the lost stages (--snapshot-every N) (master holds stage 1's copy")
+
+
 def test_a_re_cut_lets_the_old_cut_s_snapshots_go_here_and_on_the_buddies(pipe):
     _step(pipe)
     snapshot.take(pipe.pid, 1, _optims(pipe), {0: "master", 1: "master"})
