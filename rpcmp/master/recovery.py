@@ -191,8 +191,9 @@ class Snapshots:
         step = steps.pop() if len(steps) == 1 else None
         if step is not None and step in self.kept and all(step in s for s in owned):
             return step, ""
-        return None, "; ".join([f"{buddies[k]} holds stage {k}'s copy of step {s}" for k, s in held.items()]
-                               + [f"{o} its own of steps {s}" for o, s in zip(survivors, owned)]
+        copies = [f"{buddies[k]} holds " + (f"stage {k}'s copy of step {s}" if s is not None else f"no copy of stage {k}")
+                  for k, s in held.items()]
+        return None, "; ".join(copies + [f"{o} its own of steps {s}" for o, s in zip(survivors, owned)]
                                + [f"the master its part of steps {sorted(self.kept)}"])
 
     def _checkpoint(self) -> dict | None:

@@ -143,8 +143,11 @@ def test_a_snapshot_not_whole_says_what_each_process_holds(pipe):
     step, held = snaps._whole_snapshot({0: "master", 1: "master"}, "worker2", [1])
     assert step is None and held == ("master holds stage 1's copy of step 1; master its own of steps [1]; "
                                      "the master its part of steps [0]")
+    del current().buddy_snapshots[(pipe.pid, 0)]  # the copy of stage 0 never landed
+    step, held = snaps._whole_snapshot({0: "master", 1: "master"}, "worker2", [0])
+    assert step is None and held.startswith("master holds no copy of stage 0; master its own of steps [1]")
     why = snaps._cannot(["worker2"], step, None, held)
-    assert why.startswith("no snapshot holds the lost stages (--snapshot-every N) (master holds stage 1's copy")
+    assert why.startswith("no snapshot holds the lost stages (--snapshot-every N) (master holds no copy of stage 0;")
 
 
 def test_a_re_cut_lets_the_old_cut_s_snapshots_go_here_and_on_the_buddies(pipe):
