@@ -24,8 +24,8 @@ RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 STEPS = 60
 
 
-def _command(folder, *extra, job="three"):
-    return [RPCMP, "run", job_path(job), "--local", "5", "--max-steps", str(STEPS), "--checkpoint-dir",
+def _command(folder, *extra, job="three", steps=STEPS):
+    return [RPCMP, "run", job_path(job), "--local", "5", "--max-steps", str(steps), "--checkpoint-dir",
             str(folder), "--metrics", str(folder) + ".jsonl", *extra]
 
 
@@ -41,11 +41,11 @@ def _process(tag: str, name: str) -> int | None:
     return None
 
 
-def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three"):
+def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three", steps=STEPS):
     """Run the job; when the metrics show step k (or once the file k names exists), send ``sig`` to process
     ``name``, for each (k, name, sig)."""
     tag = uuid.uuid4().hex
-    proc = subprocess.Popen(_command(folder, *extra, job=job), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(_command(folder, *extra, job=job, steps=steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
     try:
         for at, name, sig in hits:
@@ -54,7 +54,7 @@ def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, ti
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
                 time.sleep(0.002)
             pid = _process(tag, name)
-            if pid is None and isinstance(at, int) and at >= STEPS:  # the run's last step: its processes may have left
+            if pid is None and isinstance(at, int) and at >= steps:  # the run's last step: its processes may have left
                 continue
             assert pid is not None, f"{name} not found at step {at}"
             os.kill(pid, sig)

@@ -1,0 +1,115 @@
+"""A process of a Hugging Face family's run killed or stopped from outside, against the same run left alone.
+
+    .venv/bin/python benchmarks/faults.py FAMILY STEP PROCESS SIGNAL [rpcmp run options]
+    .venv/bin/python benchmarks/faults.py qwen3 12 worker3 SIGKILL --local 5 --spares 1
+    .venv/bin/python benchmarks/faults.py qwen2 12 worker2 SIGSTOP --local 5 --spares 1 --hang-timeout 20
+
+The model is ``benchmarks/families.py``'s (a 4-block model of FAMILY from a tiny config, 3 stages), trained
+on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcmp run``: one left alone, one
+whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file. It prints
+what the hit run said of the loss (its recovery line, or its error), both exit codes and times, and the
+largest difference between the two runs' final parameters (0.0: the recovery changed nothing of the
+math). This file is also the job each run loads (``FAMILY`` in the environment says which).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import families  # noqa: E402
+
+
+class Tokens(torch.utils.data.Dataset):
+    """families.py's batches, one sample each."""
+
+    def __init__(self, steps: int = 40):
+        self.items = [({k: v[i] for k, v in x.items()}, y[i]) for x, y in families.batches(steps=steps, size=8)
+                      for i in range(8)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+job = dataclasses.replace(families.job, data=lambda: (Tokens(), None), epochs=2)
+
+
+def _steps(metrics: str) -> int:
+    try:
+        return sum('"kind": "step"' in line for line in open(metrics))
+    except OSError:
+        return 0
+
+
+def _process(tag: str, name: str) -> int | None:
+    """The pid of the rank ``name`` of the run whose environment holds ``tag`` (ranks name themselves)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if (open(f"/proc/{pid}/comm").read().strip() == f"rpcmp-{name}"[:15]
+                    and tag.encode() in open(f"/proc/{pid}/environ", "rb").read()):
+                return int(pid)
+        except OSError:
+            pass
+    return None
+
+
+def run(folder: str, options: list[str], hit: tuple[int, str, int] | None = None) -> tuple[int, str, float]:
+    """``rpcmp run`` of this job, checkpoints in ``folder``; ``hit``: (step, process, signal). (exit, output, s)."""
+    tag, metrics, start = uuid.uuid4().hex, folder + ".jsonl", time.time()
+    rpcmp = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+    proc = subprocess.Popen([rpcmp, "run", os.path.abspath(__file__), "--checkpoint-dir", folder, "--metrics", metrics,
+                             *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RPCMP_FAULTS_TAG": tag, "COLUMNS": "200"})
+    if hit is not None:
+        step, name, signum = hit
+        while _steps(metrics) < step and proc.poll() is None:
+            time.sleep(0.002)
+        pid = _process(tag, name)
+        if pid is None:
+            proc.kill()
+            sys.exit(f"no process {name} in the run (its ranks: rpcmp-master, rpcmp-worker1, ...)")
+        os.kill(pid, signum)
+        print(f"{signal.Signals(signum).name} to {name} (pid {pid}) after step {_steps(metrics)}", flush=True)
+    out, _ = proc.communicate(timeout=1800)
+    return proc.returncode, out, time.time() - start
+
+
+def main(family: str, step: str, name: str, signame: str, *options: str) -> int:
+    from rpcmp.core.checkpoint import load_checkpoint
+    if family not in families.FAMILIES:
+        sys.exit(f"unknown family {family!r}; known: {', '.join(families.FAMILIES)}")
+    os.environ["FAMILY"] = family
+    root = tempfile.mkdtemp(prefix="rpcmp-faults-")
+    try:
+        code0, out0, s0 = run(os.path.join(root, "alone"), list(options))
+        code1, out1, s1 = run(os.path.join(root, "hit"), list(options), (int(step), name, getattr(signal, signame)))
+        said = [line for line in out1.splitlines() if line.startswith(("recovered", "rpcmp:", "error"))]
+        print("\n".join(f"  | {line[:400]}" for line in said))
+        print(f"left alone: exit {code0}, {s0:.1f} s; hit: exit {code1}, {s1:.1f} s")
+        if code0 or code1:
+            print((out1 if code1 else out0)[-3000:])
+            return 1
+        a, b = load_checkpoint(os.path.join(root, "alone")), load_checkpoint(os.path.join(root, "hit"))
+        diff = max((a["model"][k].float() - b["model"][k].float()).abs().max().item() for k in a["model"])
+        print(f"steps {a['step']} and {b['step']}; largest parameter difference {diff:.3g} over {len(a['model'])} tensors")
+        return 0 if a["step"] == b["step"] and diff <= 1e-5 else 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 5:
+        sys.exit(__doc__)
+    sys.exit(main(*sys.argv[1:]))
