@@ -9,7 +9,8 @@ on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcm
 whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file. It prints
 what the hit run said of the loss (its recovery line, or its error), both exit codes and times, and the
 largest difference between the two runs' final parameters (0.0: the recovery changed nothing of the
-math). This file is also the job each run loads (``FAMILY`` in the environment says which).
+math), and exits 1 where a run failed or the difference is above 1e-5. This file is also the job each
+run loads (``FAMILY`` in the environment says which).
 """
 from __future__ import annotations
 
@@ -76,10 +77,12 @@ def run(folder: str, options: list[str], hit: tuple[int, str, int] | None = None
         step, name, signum = hit
         while _steps(metrics) < step and proc.poll() is None:
             time.sleep(0.002)
+        if proc.poll() is not None:
+            sys.exit(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.communicate()[0][-3000:]}")
         pid = _process(tag, name)
         if pid is None:
             proc.kill()
-            sys.exit(f"no process {name} in the run (its ranks: rpcmp-master, rpcmp-worker1, ...)")
+            sys.exit(f"no process {name} in the run (its ranks are named master, worker1, worker2, ...)")
         os.kill(pid, signum)
         print(f"{signal.Signals(signum).name} to {name} (pid {pid}) after step {_steps(metrics)}", flush=True)
     out, _ = proc.communicate(timeout=1800)

@@ -45,8 +45,8 @@ def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, ti
     """Run the job; when the metrics show step k (or once the file k names exists), send ``sig`` to process
     ``name``, for each (k, name, sig)."""
     tag = uuid.uuid4().hex
-    proc = subprocess.Popen(_command(folder, *extra, job=job, steps=steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
+    proc = subprocess.Popen(_command(folder, *extra, job=job, steps=steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
     try:
         for at, name, sig in hits:
             deadline = time.monotonic() + 120
