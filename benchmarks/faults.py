@@ -72,32 +72,41 @@ def run(folder: str, options: list[str], hit: tuple[int, str, int] | None = None
     rpcmp = os.path.join(os.path.dirname(sys.executable), "rpcmp")
     proc = subprocess.Popen([rpcmp, "run", os.path.abspath(__file__), "--checkpoint-dir", folder, "--metrics", metrics,
                              *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RPCMP_FAULTS_TAG": tag, "COLUMNS": "200"})
-    if hit is not None:
-        step, name, signum = hit
-        while _steps(metrics) < step and proc.poll() is None:
-            time.sleep(0.002)
-        if proc.poll() is not None:
-            sys.exit(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.communicate()[0][-3000:]}")
-        pid = _process(tag, name)
-        if pid is None:
-            proc.kill()
-            sys.exit(f"no process {name} in the run (its ranks are named master, worker1, worker2, ...)")
-        os.kill(pid, signum)
-        print(f"{signal.Signals(signum).name} to {name} (pid {pid}) after step {_steps(metrics)}", flush=True)
-    out, _ = proc.communicate(timeout=1800)
+                            env={**os.environ, "RPCMP_FAULTS_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
+    try:
+        if hit is not None:
+            _hit(proc, tag, metrics, *hit)
+        out, _ = proc.communicate(timeout=1800)
+    finally:
+        if proc.poll() is None:  # a failure here, or a run that hangs: none of its processes is left behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     return proc.returncode, out, time.time() - start
+
+
+def _hit(proc, tag: str, metrics: str, step: int, name: str, signum: int) -> None:
+    while _steps(metrics) < step and proc.poll() is None:
+        time.sleep(0.002)
+    if proc.poll() is not None:
+        sys.exit(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.communicate()[0][-3000:]}")
+    pid = _process(tag, name)
+    if pid is None:
+        sys.exit(f"no process {name} in the run (its ranks are named master, worker1, worker2, ...)")
+    os.kill(pid, signum)
+    print(f"{signal.Signals(signum).name} to {name} (pid {pid}) after step {_steps(metrics)}", flush=True)
 
 
 def main(family: str, step: str, name: str, signame: str, *options: str) -> int:
     from rpcmp.core.checkpoint import load_checkpoint
     if family not in families.FAMILIES:
         sys.exit(f"unknown family {family!r}; known: {', '.join(families.FAMILIES)}")
+    if signame not in signal.Signals.__members__:
+        sys.exit(f"unknown signal {signame!r}: give its name, as SIGKILL or SIGSTOP")
     os.environ["FAMILY"] = family
     root = tempfile.mkdtemp(prefix="rpcmp-faults-")
     try:
         code0, out0, s0 = run(os.path.join(root, "alone"), list(options))
-        code1, out1, s1 = run(os.path.join(root, "hit"), list(options), (int(step), name, getattr(signal, signame)))
+        code1, out1, s1 = run(os.path.join(root, "hit"), list(options), (int(step), name, signal.Signals[signame]))
         said = [line for line in out1.splitlines() if line.startswith(("recovered", "rpcmp:", "error"))]
         print("\n".join(f"  | {line[:400]}" for line in said))
         print(f"left alone: exit {code0}, {s0:.1f} s; hit: exit {code1}, {s1:.1f} s")
