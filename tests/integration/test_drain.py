@@ -89,10 +89,10 @@ def test_a_drained_rank_hands_its_stage_to_the_spare_and_its_daemon_finishes(tmp
 
 
 def _step_times(metrics, answered: float) -> str:
-    """When each step ended, against the drain's answer: a drain answers only once its snapshot has landed, 2 s
-    after the step it followed here (the new buddy's slow keep)."""
+    """When each step ended, against when `rpcmp drain` returned: a drain answers only once its snapshot has
+    landed, 2 s or more after the step it followed here (the new buddy's slow keep)."""
     rows = [json.loads(line) for line in open(metrics) if '"kind": "step"' in line]
-    return "\nsteps ended (s from the drain's answer): " + ", ".join(f"{r['step']}: {r['time'] - answered:+.2f}"
+    return "\nsteps ended (s from `rpcmp drain`'s return): " + ", ".join(f"{r['step']}: {r['time'] - answered:+.2f}"
                                                                      for r in rows[-12:])
 
 
