@@ -170,8 +170,9 @@ def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path
     assert code == 0, out
     assert "recovered: worker2 was lost" in out and "stage 1 (layers[2:4]) rebuilt on worker4" in out, out
     assert "recovered: worker1 was lost" in out, out
-    # of step 10 as a rule (the copy sent again); of step 20 where a busy machine lets the run pass it before the kill
-    assert re.search(r"stage 0 \(layers\[0:2\]\) rebuilt on worker5 from the snapshot of step [12]0 kept by worker4", out), out
+    # of step 10 as a rule (the copy sent again); of a later snapshot (20, 30, ...: its buddy is worker4 too) where a
+    # busy machine lets the run (steps of milliseconds) pass it before the kill lands
+    assert re.search(r"stage 0 \(layers\[0:2\]\) rebuilt on worker5 from the snapshot of step [1-5]0 kept by worker4", out), out
     got = load_checkpoint(str(tmp_path / "run"))
     assert got["step"] == STEPS
     assert_close_f32(got["model"], uninterrupted["model"])
