@@ -50,7 +50,8 @@ def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, ti
     try:
         for at, name, sig in hits:
             deadline = time.monotonic() + 120
-            while not os.path.exists(at) if isinstance(at, str) else metric_steps(str(folder) + ".jsonl") < at:
+            while not (at() if callable(at) else os.path.exists(at) if isinstance(at, str)
+                       else metric_steps(str(folder) + ".jsonl") >= at):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
                 time.sleep(0.002)
             pid = _process(tag, name)
@@ -162,10 +163,15 @@ def test_a_lost_spare_is_named_at_once_and_an_owner_lost_later_ends_the_run(tmp_
 def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path, uninterrupted):
     # worker1's copy was kept by worker2, the first lost: it is sent to worker2's spare after the step that
     # follows the first recovery, and is what the second recovery rebuilds stage 0 from.
-    first = random.randint(11, 14)
-    second = first + random.randint(3, 8)  # step records: the replayed steps count
-    print(f"killing worker2 (stage 1) at step record {first}, worker1 (stage 0) at step record {second}")
-    code, out = _run_and_hit(tmp_path / "run", [(first, "worker2", signal.SIGKILL), (second, "worker1", signal.SIGKILL)],
+    first, after = random.randint(11, 14), random.randint(1, 6)
+    print(f"killing worker2 (stage 1) at step record {first}, worker1 (stage 0) {after} steps after the recovery")
+    metrics, since = str(tmp_path / "run") + ".jsonl", []
+
+    def recovered() -> bool:  # no step ends while a recovery runs: `after` + 2 records since the first kill (one
+        since[:] = since or [metric_steps(metrics)]  # may have been ending as it landed) come after the recovery
+        return metric_steps(metrics) - since[0] >= after + 2
+
+    code, out = _run_and_hit(tmp_path / "run", [(first, "worker2", signal.SIGKILL), (recovered, "worker1", signal.SIGKILL)],
                              "--local", "6", "--spares", "2", "--snapshot-every", "10")
     assert code == 0, out
     assert "recovered: worker2 was lost" in out and "stage 1 (layers[2:4]) rebuilt on worker4" in out, out
