@@ -24,8 +24,8 @@ RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 STEPS = 60
 
 
-def _command(folder, *extra, job="three", steps=STEPS):
-    return [RPCMP, "run", job_path(job), "--local", "5", "--max-steps", str(steps), "--checkpoint-dir",
+def _command(folder, *extra, job="three", steps=STEPS, local=5):
+    return [RPCMP, "run", job_path(job), "--local", str(local), "--max-steps", str(steps), "--checkpoint-dir",
             str(folder), "--metrics", str(folder) + ".jsonl", *extra]
 
 
