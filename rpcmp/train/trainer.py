@@ -14,6 +14,7 @@ from ..core.checkpoint import (CheckpointError, check_model_keys, model_fingerpr
 from ..core import health
 from ..core.served import current
 from ..errors import JobError
+from ..plan.traced import SplitAt
 from ..data import datasets
 from .engine import RolledBack, make_engine
 from .stop import StopRequest
@@ -25,7 +26,7 @@ __all__ = ["fit"]
 def fit(job, world_size: int, console: Console | None = None, engine=None) -> dict[str, Any]:
     """Train ``job``; in pipeline mode on the master, in DDP mode on every rank."""
     train_set, heldout = datasets(job)
-    engine = engine or make_engine(job, world_size, train_set)
+    engine = engine or _built(job, world_size, train_set, console or Console())
     console = console or Console(quiet=not engine.is_main)
     per_epoch = engine.steps_per_epoch(len(train_set))
     if per_epoch == 0:
@@ -35,6 +36,20 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
     engine.status.checkpoint_dir = job.checkpoint_dir  # for the message that names a lost process
     with health.explained(engine.explain), StopRequest(engine.is_main and engine.mode == "pipeline") as stop:
         return _train(job, engine, console, train_set, heldout, per_epoch, stop)
+
+
+def _built(job, world_size: int, train_set, console: Console):
+    """The engine. In pipeline mode (on the master) a line says that the stages are being built and one how long that
+    took: a traced split (SplitAt) traces the model on the master and on each owner first, seconds for a small model
+    and minutes for a large one, with nothing else to show meanwhile."""
+    if job.mode != "pipeline":
+        return make_engine(job, world_size, train_set)
+    traced = isinstance(job.stages, SplitAt)
+    console.print(f"building the stages{' (tracing the model with torch.export on the master and each owner)' if traced else ''} ...")
+    start = time.perf_counter()
+    engine = make_engine(job, world_size, train_set)
+    console.print(f"stages built in {time.perf_counter() - start:.1f} s")
+    return engine
 
 
 def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, stop: StopRequest) -> dict[str, Any]:
