@@ -1,6 +1,7 @@
 """A language model's lost owner replaced in place: its own file, the longest of the live-recovery runs (two
 runs of a traced GPT-2 over five processes), so that the suite's workers can take it beside the others."""
 import random
+import re
 import signal
 import subprocess
 
@@ -27,6 +28,8 @@ def test_a_language_model_s_first_stage_lost_with_its_tied_embedding_is_rebuilt_
     code, out = _run_and_hit(tmp_path / "run", [(random.randint(11, 15), "worker1", signal.SIGKILL)], "--spares", "1",
                              *lm, job="hf_gpt2", steps=STEPS)
     assert code == 0, out
+    built = re.search(r"stages built in \d+\.\d s", out)  # progress while the owners trace, then its figure
+    assert built and 0 <= out.find("building the stages (tracing the model") < built.start(), out
     assert out.count("recovered: worker1 was lost") == 1 and "rebuilt on worker4 from the snapshot of step 10" in out, out
     got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(tmp_path / "clean"))
     assert got["step"] == want["step"] == STEPS
