@@ -1,5 +1,5 @@
 """A language model's lost owner replaced in place: its own file, the longest of the live-recovery runs (two
-runs of a traced GPT-2 over five processes), so that the suite's workers can take it beside the others."""
+runs of a traced GPT-2, over four processes and over five), so that the suite's workers can take it beside the others."""
 import random
 import re
 import signal
