@@ -39,10 +39,13 @@ def predict_local(job, checkpoint: str, out_dir: str, images: int) -> dict[str, 
 
 def predict_split(job, world_size: int, checkpoint: str, out_dir: str, images: int) -> dict[str, Any]:
     """The same through the job's stages on ``world_size`` processes (run as the master)."""
+    from rich.console import Console
     from ..master.replicas import pipeline_for
+    from .trainer import building_stages
     ckpt = load_checkpoint(checkpoint)
     status = RunStatus(task=f"predicting with {ckpt['path']}")
-    pipe = pipeline_for(job, world_size, status=status)  # with replicas, each copy predicts a share
+    with building_stages(job, Console()):
+        pipe = pipeline_for(job, world_size, status=status)  # with replicas, each copy predicts a share
     try:
         with health.explained(pipe.explain):
             check_model_keys(ckpt, pipe.state_meta(), f"the model of {job.source}")

@@ -1,6 +1,7 @@
 """The training loop on the master: data, steps, progress, held-out metric."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -20,7 +21,7 @@ from .engine import RolledBack, make_engine
 from .stop import StopRequest
 from .timeline import write_chrome_trace
 
-__all__ = ["fit"]
+__all__ = ["fit", "building_stages"]
 
 
 def fit(job, world_size: int, console: Console | None = None, engine=None) -> dict[str, Any]:
@@ -39,17 +40,23 @@ def fit(job, world_size: int, console: Console | None = None, engine=None) -> di
 
 
 def _built(job, world_size: int, train_set, console: Console):
-    """The engine. In pipeline mode (on the master) a line says that the stages are being built and one how long that
-    took: a traced split (SplitAt) traces the model on the master and on each owner first, seconds for a small model
-    and minutes for a large one, with nothing else to show meanwhile."""
+    """The engine; in pipeline mode (on the master), said while its stages are built (:func:`building_stages`)."""
     if job.mode != "pipeline":
         return make_engine(job, world_size, train_set)
+    with building_stages(job, console):
+        return make_engine(job, world_size, train_set)
+
+
+@contextlib.contextmanager
+def building_stages(job, console: Console):
+    """A line before the stages are built and one with how long that took (training and ``rpcmp predict``): a traced
+    split (SplitAt) traces the model on the master and on each owner first, seconds for a small model and minutes for
+    a large one, with nothing else to show meanwhile."""
     traced = isinstance(job.stages, SplitAt)
     console.print(f"building the stages{' (tracing the model with torch.export on the master and each owner)' if traced else ''} ...")
     start = time.perf_counter()
-    engine = make_engine(job, world_size, train_set)
+    yield
     console.print(f"stages built in {time.perf_counter() - start:.1f} s")
-    return engine
 
 
 def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, stop: StopRequest) -> dict[str, Any]:

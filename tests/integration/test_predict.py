@@ -28,7 +28,9 @@ def test_predict_unsplit_and_split_agree_and_write_panels(tmp_path):
     assert run_ranks("unet", 3, fit_steps, {"max_steps": 2, "checkpoint_dir": str(ckpt)}) == 2
     out = _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "a"), "--images", "3")
     assert "8 samples" in out and re.search(r"step-00000002\.[0-9a-f]+\.pt", out)
-    _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "b"), "--images", "3", "--local", "3")
+    split = _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "b"), "--images", "3", "--local", "3")
+    assert re.search(r"building the stages \.\.\.\nstages built in \d+\.\d s\n", split), split  # said while they build
+    assert "building the stages" not in out  # the unsplit model: no stages
     a, b = torch.load(tmp_path / "a" / "predictions.pt"), torch.load(tmp_path / "b" / "predictions.pt")
     assert a.shape == (8, 1, 64, 64)
     assert_close_f32(a, b)
