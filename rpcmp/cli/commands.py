@@ -76,7 +76,9 @@ def predict(job_file, checkpoint, out, images, nprocs, overrides):
         result = launch_local(job_file, nprocs, functools.partial(predict_split, checkpoint=checkpoint, out_dir=out,
                                                                   images=images), overrides=overrides, fork_here=True)
     console = Console()
-    console.print(f"{result['samples']} samples of the {result['dataset']} set predicted with {result['checkpoint']}")
+    console.print(f"{result['samples']} samples of the {result['dataset']} set"
+                  f"{' (the job has no held-out set)' if result['dataset'] == 'training' else ''} predicted with "
+                  f"{result['checkpoint']}")
     if result["metric"] is not None:
         console.print(f"{result['metric_name']}: [bold]{result['metric']:.4f}[/]")
     console.print(f"outputs: {result['predictions']}" + (f"; {len(result['images'])} PNG panels "

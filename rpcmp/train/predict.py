@@ -64,7 +64,7 @@ def write_predictions(job, forward: Callable[[Any], Any], out_dir: str, images: 
     if job.data is None:
         raise JobError("rpcmp predict needs Job(data=...) returning (train, heldout): it predicts the held-out set")
     train, heldout = job.data()
-    dataset, which = (heldout, "held-out") if heldout is not None else (train, "training (the job has no held-out set)")
+    dataset, which = (heldout, "held-out") if heldout is not None else (train, "training")
     os.makedirs(out_dir, exist_ok=True)
     outputs, total, count, pngs = [], 0.0, 0, []
     for x, y in data_loader(dataset, batch_size=job.batch_size):
