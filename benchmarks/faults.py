@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 import torch
 
@@ -54,28 +53,16 @@ def _steps(metrics: str) -> int:
         return 0
 
 
-def _process(tag: str, name: str) -> int | None:
-    """The pid of the rank ``name`` of the run whose environment holds ``tag`` (ranks name themselves)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if (open(f"/proc/{pid}/comm").read().strip() == f"rpcmp-{name}"[:15]
-                    and tag.encode() in open(f"/proc/{pid}/environ", "rb").read()):
-                return int(pid)
-        except OSError:
-            pass
-    return None
-
-
 def run(folder: str, options: list[str], hit: tuple[int, str, int] | None = None) -> tuple[int, str, float]:
     """``rpcmp run`` of this job, checkpoints in ``folder``; ``hit``: (step, process, signal). (exit, output, s)."""
-    tag, metrics, start = uuid.uuid4().hex, folder + ".jsonl", time.time()
+    metrics, start = folder + ".jsonl", time.time()
     rpcmp = os.path.join(os.path.dirname(sys.executable), "rpcmp")
     proc = subprocess.Popen([rpcmp, "run", os.path.abspath(__file__), "--checkpoint-dir", folder, "--metrics", metrics,
                              *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RPCMP_FAULTS_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
+                            env={**os.environ, "COLUMNS": "200"}, start_new_session=True)
     try:
         if hit is not None:
-            _hit(proc, tag, metrics, *hit)
+            _hit(proc, metrics, *hit)
         out, _ = proc.communicate(timeout=1800)
     finally:
         if proc.poll() is None:  # a failure here, or a run that hangs: none of its processes is left behind
@@ -84,14 +71,16 @@ def run(folder: str, options: list[str], hit: tuple[int, str, int] | None = None
     return proc.returncode, out, time.time() - start
 
 
-def _hit(proc, tag: str, metrics: str, step: int, name: str, signum: int) -> None:
+def _hit(proc, metrics: str, step: int, name: str, signum: int) -> None:
+    from recovery import descendant  # the rank of this run by its process name (benchmarks/recovery.py)
     while _steps(metrics) < step and proc.poll() is None:
         time.sleep(0.002)
     if proc.poll() is not None:
         sys.exit(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.communicate()[0][-3000:]}")
-    pid = _process(tag, name)
-    if pid is None:
-        sys.exit(f"no process {name} in the run (its ranks are named master, worker1, worker2, ...)")
+    try:  # the master of a local run is the `rpcmp run` process itself
+        pid = proc.pid if name == "master" else descendant(proc.pid, name)
+    except RuntimeError:
+        sys.exit(f"no process {name} in the run (its processes are master, worker1, worker2, ...)")
     os.kill(pid, signum)
     print(f"{signal.Signals(signum).name} to {name} (pid {pid}) after step {_steps(metrics)}", flush=True)
 

@@ -48,14 +48,15 @@ def _steps(path: str) -> list[dict]:
 
 
 def descendant(root: int, name: str) -> int:
-    """The process of the run started as ``root`` that names itself ``rpcmp-NAME`` (a descendant of it)."""
+    """The process of the run started as ``root`` that names itself ``rpcmp-NAME`` (``root`` itself, the master of a
+    local run, or a descendant of it)."""
     def parent(pid: str) -> int:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if open(f"/proc/{pid}/comm").read().strip() != f"rpcmp-{name}":
                 continue
-            up = parent(pid)
+            up = int(pid)
             while up > 1 and up != root:
                 up = parent(str(up))
             if up == root:
