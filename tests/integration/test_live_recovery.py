@@ -152,7 +152,13 @@ def test_a_spare_stopped_while_the_run_trains_does_not_hold_up_its_end(tmp_path,
 
 @pytest.mark.timeout(300)
 def test_a_lost_spare_is_named_at_once_and_an_owner_lost_later_ends_the_run(tmp_path):
-    code, out = _run_and_hit(tmp_path / "run", [(5, "worker4", signal.SIGKILL), (12, "worker2", signal.SIGKILL)],
+    metrics, since = str(tmp_path / "run") + ".jsonl", []
+
+    def noticed() -> bool:  # two steps end after the spare's kill (it says so after a step): steps take milliseconds,
+        since[:] = since or [metric_steps(metrics)]  # and a fixed step 12 was passed before its loss was said
+        return metric_steps(metrics) - since[0] >= 2
+
+    code, out = _run_and_hit(tmp_path / "run", [(5, "worker4", signal.SIGKILL), (noticed, "worker2", signal.SIGKILL)],
                              "--spares", "1")
     assert code == 1, out
     assert "spare worker4 lost (its connection closed); no spare is left" in out, out
