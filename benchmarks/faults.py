@@ -1,12 +1,14 @@
 """A process of a Hugging Face family's run killed or stopped from outside, against the same run left alone.
 
-    .venv/bin/python benchmarks/faults.py FAMILY STEP PROCESS SIGNAL [rpcmp run options]
+    .venv/bin/python benchmarks/faults.py FAMILY STEP PROCESS SIGNAL [STEP PROCESS SIGNAL ...] [rpcmp run options]
     .venv/bin/python benchmarks/faults.py qwen3 12 worker3 SIGKILL --local 5 --spares 1
     .venv/bin/python benchmarks/faults.py qwen2 12 worker2 SIGSTOP --local 5 --spares 1 --hang-timeout 20
+    .venv/bin/python benchmarks/faults.py llama 6 worker4 SIGSTOP 8 worker2 SIGKILL --local 5 --spares 1
 
 The model is ``benchmarks/families.py``'s (a 4-block model of FAMILY from a tiny config, 3 stages), trained
 on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcmp run``: one left alone, one
-whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file. It prints
+whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file (each hit in
+turn, when several are given). It prints
 what the hit run said of the loss (its recovery line, or its error), both exit codes and times, and the
 largest difference between the two runs' final parameters (0.0: the recovery changed nothing of the
 math), and exits 1 where a run failed or the difference is above 1e-5. This file is also the job each
@@ -53,15 +55,16 @@ def _steps(metrics: str) -> int:
         return 0
 
 
-def run(folder: str, options: list[str], hit: tuple[int, str, int] | None = None) -> tuple[int, str, float]:
-    """``rpcmp run`` of this job, checkpoints in ``folder``; ``hit``: (step, process, signal). (exit, output, s)."""
+def run(folder: str, options: list[str], hits: tuple = ()) -> tuple[int, str, float]:
+    """``rpcmp run`` of this job, checkpoints in ``folder``; ``hits``: (step, process, signal) each, in turn.
+    (exit, output, s)."""
     metrics, start = folder + ".jsonl", time.time()
     rpcmp = os.path.join(os.path.dirname(sys.executable), "rpcmp")
     proc = subprocess.Popen([rpcmp, "run", os.path.abspath(__file__), "--checkpoint-dir", folder, "--metrics", metrics,
                              *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "COLUMNS": "200"}, start_new_session=True)
     try:
-        if hit is not None:
+        for hit in hits:
             _hit(proc, metrics, *hit)
         out, _ = proc.communicate(timeout=1800)
     finally:
@@ -85,17 +88,32 @@ def _hit(proc, metrics: str, step: int, name: str, signum: int) -> None:
     print(f"{signal.Signals(signum).name} to {name} (pid {pid}) after step {_steps(metrics)}", flush=True)
 
 
-def main(family: str, step: str, name: str, signame: str, *options: str) -> int:
+def _hits(args: list[str]) -> tuple[list[tuple[int, str, int]], list[str]]:
+    """The (step, process, signal) triples at the start of ``args``, and the options after them."""
+    hits = []
+    while len(args) >= 3 and not args[0].startswith("-"):
+        step, name, signame = args[:3]
+        if not step.isdigit():
+            sys.exit(f"a hit is STEP PROCESS SIGNAL: {step!r} is not a step number")
+        if signame not in signal.Signals.__members__:
+            sys.exit(f"unknown signal {signame!r}: give its name, as SIGKILL or SIGSTOP")
+        hits.append((int(step), name, signal.Signals[signame]))
+        args = args[3:]
+    if not hits or (args and not args[0].startswith("-")):
+        sys.exit(__doc__)
+    return hits, args
+
+
+def main(family: str, *args: str) -> int:
     from rpcmp.core.checkpoint import load_checkpoint
     if family not in families.FAMILIES:
         sys.exit(f"unknown family {family!r}; known: {', '.join(families.FAMILIES)}")
-    if signame not in signal.Signals.__members__:
-        sys.exit(f"unknown signal {signame!r}: give its name, as SIGKILL or SIGSTOP")
+    hits, options = _hits(list(args))
     os.environ["FAMILY"] = family
     root = tempfile.mkdtemp(prefix="rpcmp-faults-")
     try:
         code0, out0, s0 = run(os.path.join(root, "alone"), list(options))
-        code1, out1, s1 = run(os.path.join(root, "hit"), list(options), (int(step), name, signal.Signals[signame]))
+        code1, out1, s1 = run(os.path.join(root, "hit"), list(options), hits)
         said = [line for line in out1.splitlines() if line.startswith(("recovered", "rpcmp:", "error"))]
         print("\n".join(f"  | {line[:400]}" for line in said))
         print(f"left alone: exit {code0}, {s0:.1f} s; hit: exit {code1}, {s1:.1f} s")

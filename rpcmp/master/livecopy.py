@@ -79,11 +79,12 @@ class LiveCopies:
         start, pipes = time.perf_counter(), self.rep.pipes
         owners = {o for p in pipes for o in p.owners}
         lost = unresponsive(sorted(owners | set(self.spares)), timeout=3.0)
+        silent = [s for s in self.spares if s in lost]
         self.spares[:] = [s for s in self.spares if s not in lost]
         owners_lost = sorted(owners & set(lost))
         r = next((i for i, p in enumerate(pipes) if owners_lost and owners_lost[0] in p.owners), 0)
         source, refill, stood = self._plan(r, in_step)
-        why = cannot_replace(owners_lost, self.spares) or (None if source is not None else (
+        why = cannot_replace(owners_lost, self.spares, silent) or (None if source is not None else (
             "no live copy holds the failed step's state: every copy may have changed its stages in it, and none "
             "other than the lost owner's took it whole"))
         if why:

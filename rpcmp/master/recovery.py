@@ -150,6 +150,7 @@ class Snapshots:
         either way, which the line says (``redo``, what runs again, is for a live copy's line)."""
         start, pipe = time.perf_counter(), self.pipe
         lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
+        silent = [s for s in self.spares if s in lost]
         self.spares[:] = [s for s in self.spares if s not in lost]
         owners_lost = sorted({o for o in lost if o in pipe.owners})
         gone = owners_lost[0] if owners_lost else None
@@ -158,7 +159,7 @@ class Snapshots:
         step, held = (self._whole_snapshot(buddies, gone, stages) if buddies and len(owners_lost) == 1 and self.spares
                       else (None, ""))
         ckpt = self._checkpoint() if step is None and len(owners_lost) == 1 and self.spares else None
-        why = self._cannot(owners_lost, step, ckpt, held)
+        why = self._cannot(owners_lost, step, ckpt, held, silent)
         if why:
             if owners_lost:  # a stage's own error, a NaN loss: not a loss of a process, nothing to say here
                 print(f"rpcmp: not recovered in place: {why}; the run ends", file=sys.stderr, flush=True)
@@ -246,8 +247,9 @@ class Snapshots:
             self.snap(ckpt["step"], (ckpt["epoch"], ckpt["next_batch"]))
         return (ckpt["step"], ckpt["epoch"], ckpt["next_batch"]), f"the checkpoint of step {ckpt['step']} ({ckpt['path']})"
 
-    def _cannot(self, owners_lost: list[str], step: int | None, ckpt: dict | None, held: str = "") -> str | None:
-        why = cannot_replace(owners_lost, self.spares)
+    def _cannot(self, owners_lost: list[str], step: int | None, ckpt: dict | None, held: str = "",
+                silent: list[str] = ()) -> str | None:
+        why = cannot_replace(owners_lost, self.spares, silent)
         if why is None and step is None and ckpt is None:
             return ("no snapshot holds the lost stages (--snapshot-every N)" + (f" ({held})" if held else "")
                     + " and no checkpoint of this run is whole in the master's folder (--checkpoint-dir on a folder "
@@ -255,13 +257,19 @@ class Snapshots:
         return why
 
 
-def cannot_replace(owners_lost: list[str], spares: list[str]) -> str | None:
-    """Why the lost owners cannot be replaced in place, or None: exactly one is lost and a spare is free."""
+def cannot_replace(owners_lost: list[str], spares: list[str], silent: list[str] = ()) -> str | None:
+    """Why the lost owners cannot be replaced in place, or None: exactly one is lost and a spare is free.
+    ``silent``: the spares that did not answer when the loss was looked at (killed, stopped or hung)."""
     if not owners_lost:
         return "no owner of a stage is lost"
     if len(owners_lost) > 1:
         return f"{len(owners_lost)} owners are lost ({', '.join(owners_lost)}); a spare replaces one"
-    return None if spares else "no spare process is left (--spares)"
+    if spares:
+        return None
+    if silent:
+        return (f"no spare process is left: the spare {', '.join(silent)} did not answer either (killed, stopped or "
+                f"hung; look at its log or node)")
+    return "no spare process is left (--spares)"
 
 
 def rebuild_on_spare(pipe, gone: str, spare: str, stages: list[int], empty: bool) -> dict:

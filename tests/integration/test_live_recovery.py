@@ -166,6 +166,17 @@ def test_a_lost_spare_is_named_at_once_and_an_owner_lost_later_ends_the_run(tmp_
 
 
 @pytest.mark.timeout(300)
+def test_an_owner_lost_while_the_spare_is_stopped_ends_the_run_naming_the_silent_spare(tmp_path):
+    # the spare stopped (SIGSTOP, not yet past --hang-timeout), then an owner killed: the recovery finds the spare
+    # silent too and says so, rather than that the run has no spare
+    code, out = _run_and_hit(tmp_path / "run", [(5, "worker4", signal.SIGSTOP), (7, "worker2", signal.SIGKILL)],
+                             "--spares", "1", "--hang-timeout", "120")
+    assert code == 1, out
+    assert ("not recovered in place: no spare process is left: the spare worker4 did not answer either" in out
+            and "worker2 (stage 1" in out and "recovered:" not in out), out
+
+
+@pytest.mark.timeout(300)
 def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path, uninterrupted):
     # worker1's copy was kept by worker2, the first lost: it is sent to worker2's spare after the step that
     # follows the first recovery, and is what the second recovery rebuilds stage 0 from.
