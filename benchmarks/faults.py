@@ -1,14 +1,15 @@
 """A process of a Hugging Face family's run killed or stopped from outside, against the same run left alone.
 
-    .venv/bin/python benchmarks/faults.py FAMILY STEP PROCESS SIGNAL [STEP PROCESS SIGNAL ...] [rpcmp run options]
+    .venv/bin/python benchmarks/faults.py FAMILY STEP[+SECONDS] PROCESS SIGNAL [...] [rpcmp run options]
     .venv/bin/python benchmarks/faults.py qwen3 12 worker3 SIGKILL --local 5 --spares 1
     .venv/bin/python benchmarks/faults.py qwen2 12 worker2 SIGSTOP --local 5 --spares 1 --hang-timeout 20
     .venv/bin/python benchmarks/faults.py llama 6 worker4 SIGSTOP 8 worker2 SIGKILL --local 5 --spares 1
+    .venv/bin/python benchmarks/faults.py llama 8 worker2 SIGKILL 8+0.1 worker4 SIGKILL --local 6 --spares 2
 
 The model is ``benchmarks/families.py``'s (a 4-block model of FAMILY from a tiny config, 3 stages), trained
 on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcmp run``: one left alone, one
-whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file (each hit in
-turn, when several are given). It prints
+whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file (SECONDS later
+with ``+SECONDS``; each hit in turn, when several are given). It prints
 what the hit run said of the loss (its recovery line, or its error), both exit codes and times, and the
 largest difference between the two runs' final parameters (0.0: the recovery changed nothing of the
 math), and exits 1 where a run failed or the difference is above 1e-5. This file is also the job each
@@ -56,7 +57,8 @@ def _steps(metrics: str) -> int:
 
 
 def run(folder: str, options: list[str], hits: tuple = ()) -> tuple[int, str, float]:
-    """``rpcmp run`` of this job, checkpoints in ``folder``; ``hits``: (step, process, signal) each, in turn.
+    """``rpcmp run`` of this job, checkpoints in ``folder``; ``hits``: (step, process, signal, seconds after the
+    step) each, in turn.
     (exit, output, s)."""
     metrics, start = folder + ".jsonl", time.time()
     rpcmp = os.path.join(os.path.dirname(sys.executable), "rpcmp")
@@ -74,10 +76,11 @@ def run(folder: str, options: list[str], hits: tuple = ()) -> tuple[int, str, fl
     return proc.returncode, out, time.time() - start
 
 
-def _hit(proc, metrics: str, step: int, name: str, signum: int) -> None:
+def _hit(proc, metrics: str, step: int, name: str, signum: int, after: float = 0.0) -> None:
     from recovery import descendant  # the rank of this run by its process name (benchmarks/recovery.py)
     while _steps(metrics) < step and proc.poll() is None:
         time.sleep(0.002)
+    time.sleep(after)
     if proc.poll() is not None:
         sys.exit(f"the run ended (exit {proc.returncode}) before step {step}:\n{proc.communicate()[0][-3000:]}")
     try:  # the master of a local run is the `rpcmp run` process itself
@@ -88,16 +91,17 @@ def _hit(proc, metrics: str, step: int, name: str, signum: int) -> None:
     print(f"{signal.Signals(signum).name} to {name} (pid {pid}) after step {_steps(metrics)}", flush=True)
 
 
-def _hits(args: list[str]) -> tuple[list[tuple[int, str, int]], list[str]]:
-    """The (step, process, signal) triples at the start of ``args``, and the options after them."""
+def _hits(args: list[str]) -> tuple[list[tuple[int, str, int, float]], list[str]]:
+    """The hits (step, process, signal, seconds after the step) at the start of ``args``, and the options after them."""
     hits = []
     while len(args) >= 3 and not args[0].startswith("-"):
         step, name, signame = args[:3]
-        if not step.isdigit():
-            sys.exit(f"a hit is STEP PROCESS SIGNAL: {step!r} is not a step number")
+        at, _, after = step.partition("+")
+        if not at.isdigit() or (after and not after.replace(".", "", 1).isdigit()):
+            sys.exit(f"a hit is STEP[+SECONDS] PROCESS SIGNAL: {step!r} is not a step number (and seconds after it)")
         if signame not in signal.Signals.__members__:
             sys.exit(f"unknown signal {signame!r}: give its name, as SIGKILL or SIGSTOP")
-        hits.append((int(step), name, signal.Signals[signame]))
+        hits.append((int(at), name, signal.Signals[signame], float(after or 0)))
         args = args[3:]
     if not hits or (args and not args[0].startswith("-")):
         sys.exit(__doc__)

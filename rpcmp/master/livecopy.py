@@ -40,7 +40,8 @@ step again would step those copies twice. So the master notes which copies ended
   ended) the error stands.
 
 Either way the run equals an uninterrupted one. The run says one line for it. With two lost
-owners, or no spare, the error stands and the run ends as it always did.
+owners, or no spare, the error stands and the run ends as it always did. A spare lost while it takes
+over is replaced by the next, which does 1. to 4. again.
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ from ..core.served import current
 from ..owner import live
 from ..owner import move as owner_move
 from .move import new_optimizer
-from .recovery import RolledBack, cannot_replace, install_rebuilt, rebuild_on_spare
+from .recovery import RolledBack, cannot_replace, install_rebuilt, rebuild_on_spare, spare_lost
 
 __all__ = ["LiveCopies"]
 
@@ -72,11 +73,12 @@ class LiveCopies:
         """Nothing to wait for before a step: the copies are the source (see the Note)."""
 
     def recover(self, error: BaseException, position: tuple[int, int, int], in_step: bool = True,
-                redo: str = "its checkpoint skipped") -> RolledBack:
+                redo: str = "its checkpoint skipped", since: float | None = None) -> RolledBack:
         """Rebuild the stages of the owner whose loss failed the step at ``position`` (or, not ``in_step``, the
         checkpoint save after the step before it) from a live copy, or re-raise ``error`` (see [Note: recovery
-        from a live copy])."""
-        start, pipes = time.perf_counter(), self.rep.pipes
+        from a live copy]). A spare lost while it takes over is replaced by the next (``since``: when the first
+        try began)."""
+        start, pipes = since or time.perf_counter(), self.rep.pipes
         owners = {o for p in pipes for o in p.owners}
         lost = unresponsive(sorted(owners | set(self.spares)), timeout=3.0)
         silent = [s for s in self.spares if s in lost]
@@ -95,13 +97,19 @@ class LiveCopies:
         current().lost.add(gone)
         pipe, source = pipes[r], pipes[source]
         stages = [k for k, o in enumerate(pipe.owners) if o == gone]
-        if in_step and not stood:  # between steps the survivors' buffers and generators are already the step's
-            wait_all([rpc.rpc_async(o, live.unmark, args=(p.pid,)) for p in pipes for o in sorted(set(p.owners) - {gone})])
-        self._rebuild(pipe, source, gone, spare, stages, refill=r in refill)
-        for q in sorted(set(refill) - {r}):
-            self._refill(pipes[q], source, range(len(source.owners)))
-            new_optimizer(pipes[q], {}, set())  # each local optimizer takes the state that came
-        self._regroup(stages)
+        try:
+            if in_step and not stood:  # between steps the survivors' buffers and generators are already the step's
+                wait_all([rpc.rpc_async(o, live.unmark, args=(p.pid,))
+                          for p in pipes for o in sorted(set(p.owners) - {gone})])
+            self._rebuild(pipe, source, gone, spare, stages, refill=r in refill)
+            for q in sorted(set(refill) - {r}):
+                self._refill(pipes[q], source, range(len(source.owners)))
+                new_optimizer(pipes[q], {}, set())  # each local optimizer takes the state that came
+            self._regroup(stages)
+        except Exception as exc:  # noqa: BLE001 - the spare's own loss is recovered from as the owner's was
+            if not spare_lost(spare, gone, exc):
+                raise
+            return self.recover(error, position, in_step, redo, since=start)
         self.rep.label_stages()
         self.rep.meeting.reset()
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)

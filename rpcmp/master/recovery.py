@@ -24,6 +24,10 @@ with its Adam state, 250 MB, which made the replayed step a sixth slower on two 
 owner lost within that first step ends the run if it is one of those neighbours (no other
 process holds its copy yet).
 
+A spare lost while it takes over (its build or its copy fails, and it no longer answers) is
+one more lost process: the next spare does 1. to 3. again, the survivors rolling back to
+the same state again; a spare already routed to is then the lost owner.
+
 Everything happens in the processes that are up: no process restarts, nothing is read from
 disk. Without a spare, with a second lost owner, or before the first snapshot, the step's
 error stands and the run ends as it always did (exit 1, naming the checkpoint to resume from).
@@ -144,11 +148,12 @@ class Snapshots:
                                       f"owner is recovered from an earlier snapshot, or ends the run without one")
 
     def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
-                redo: str = "") -> RolledBack:
+                redo: str = "", since: float | None = None) -> RolledBack:
         """Replace the owner whose loss failed a step (or a checkpoint save, an evaluation: not ``in_step``), or
         re-raise ``error`` (see [Note: recovery from a lost owner]); the run goes on from the snapshot's position
-        either way, which the line says (``redo``, what runs again, is for a live copy's line)."""
-        start, pipe = time.perf_counter(), self.pipe
+        either way, which the line says (``redo``, what runs again, is for a live copy's line). A spare lost while
+        it takes over is replaced by the next (``since``: when the first try began)."""
+        start, pipe = since or time.perf_counter(), self.pipe
         lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
         silent = [s for s in self.spares if s in lost]
         self.spares[:] = [s for s in self.spares if s not in lost]
@@ -167,10 +172,15 @@ class Snapshots:
         spare = self.spares.pop(0)
         current().lost.add(gone)
         self.taking = []  # copies on the lost process never finish; the others' are done by now
-        if ckpt is None:
-            position, source = self._from_snapshot(gone, spare, stages, step, buddies)
-        else:
-            position, source = self._from_checkpoint(gone, spare, stages, ckpt)
+        try:
+            if ckpt is None:
+                position, source = self._from_snapshot(gone, spare, stages, step, buddies)
+            else:
+                position, source = self._from_checkpoint(gone, spare, stages, ckpt)
+        except Exception as exc:  # noqa: BLE001 - the spare's own loss is recovered from as the owner's was
+            if not spare_lost(spare, gone, exc):
+                raise
+            return self.recover(error, position, in_step, redo, since=start)
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
         return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
                                    f"{reason(error)}); stage {names} rebuilt on {spare} from "
@@ -211,7 +221,11 @@ class Snapshots:
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
         rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None, old_optims.get(o)))
                    for k, o in enumerate(pipe.owners) if k not in stages]  # while the spare builds
-        built = rebuild_on_spare(pipe, gone, spare, stages, empty=True)
+        try:
+            built = rebuild_on_spare(pipe, gone, spare, stages, empty=True)
+        except Exception:
+            wait_all(rolling)  # the survivors' rollbacks end before another spare is tried
+            raise
         wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
         install_rebuilt(pipe, built, old_optims, spare)
         kept = self.kept[step]
@@ -270,6 +284,18 @@ def cannot_replace(owners_lost: list[str], spares: list[str], silent: list[str] 
         return (f"no spare process is left: the spare {', '.join(silent)} did not answer either (killed, stopped or "
                 f"hung; look at its log or node)")
     return "no spare process is left (--spares)"
+
+
+def spare_lost(spare: str, gone: str, exc: BaseException) -> bool:
+    """Whether ``exc``, raised while ``spare`` took over the stages of ``gone``, is the spare's own loss (it no
+    longer answers); the run says so, and the next spare takes over. Each try rolls the survivors back to the same
+    state again, and a spare that had been routed to is an owner lost like any other."""
+    if not unresponsive([spare], timeout=3.0):
+        return False
+    current().lost.add(spare)
+    print(f"rpcmp: {spare}, the spare taking over from {gone}, was lost during the recovery ({reason(exc)}); "
+          f"the next spare takes over, if one is left", file=sys.stderr, flush=True)
+    return True
 
 
 def rebuild_on_spare(pipe, gone: str, spare: str, stages: list[int], empty: bool) -> dict:

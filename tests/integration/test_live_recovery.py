@@ -41,12 +41,14 @@ def _process(tag: str, name: str) -> int | None:
     return None
 
 
-def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three", steps=STEPS):
-    """Run the job; when the metrics show step k (or once the file k names exists), send ``sig`` to process
-    ``name``, for each (k, name, sig)."""
+def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three", steps=STEPS,
+                 env: dict | None = None):
+    """Run the job (``env``: added to its environment); when the metrics show step k (or once the file k names
+    exists), send ``sig`` to process ``name``, for each (k, name, sig)."""
     tag = uuid.uuid4().hex
     proc = subprocess.Popen(_command(folder, *extra, job=job, steps=steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "RPCMP_TEST_TAG": tag, "COLUMNS": "200"}, start_new_session=True)
+                            text=True, env={**os.environ, **(env or {}), "RPCMP_TEST_TAG": tag, "COLUMNS": "200"},
+                            start_new_session=True)
     try:
         for at, name, sig in hits:
             deadline = time.monotonic() + 120
@@ -196,6 +198,23 @@ def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path
     # of step 10 as a rule (the copy sent again); of a later snapshot (20, 30, ...: its buddy is worker4 too) where a
     # busy machine lets the run (steps of milliseconds) pass it before the kill lands
     assert re.search(r"stage 0 \(layers\[0:2\]\) rebuilt on worker5 from the snapshot of step [1-5]0 kept by worker4", out), out
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == STEPS
+    assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_lost_while_it_takes_over_is_replaced_by_the_next_and_the_run_ends_equal(tmp_path, uninterrupted):
+    # worker4, the first spare, is killed while it builds worker2's stage (it says so in a file, then waits)
+    building = str(tmp_path / "building")
+    code, out = _run_and_hit(tmp_path / "run", [(random.randint(11, 15), "worker2", signal.SIGKILL),
+                                                (building, "worker4", signal.SIGKILL)],
+                             "--local", "6", "--spares", "2", "--snapshot-every", "10", job="three_slow_spare",
+                             env={"SLOW_BUILD_ON": "worker4", "BUILDING": building})
+    assert code == 0, out
+    assert "rpcmp: worker4, the spare taking over from worker2, was lost during the recovery" in out, out
+    assert out.count("recovered: ") == 1 and "recovered: worker2 was lost" in out, out
+    assert "stage 1 (layers[2:4]) rebuilt on worker5 from the snapshot of step 10 kept by worker3" in out, out
     got = load_checkpoint(str(tmp_path / "run"))
     assert got["step"] == STEPS
     assert_close_f32(got["model"], uninterrupted["model"])

@@ -1,0 +1,24 @@
+"""tests/jobs/three.py where the process ``SLOW_BUILD_ON`` names (in the environment; unset: none), once asked to
+build a stage, creates the file ``BUILDING`` names and sleeps 60 s before it builds: a test kills a spare while it
+takes over a lost owner's stage."""
+import os
+import time
+
+import rpcmp.owner.stage as stage
+from rpcmp.core.served import current
+from three import job  # noqa: F401
+
+_build = stage.build
+SLOW_ON = os.environ.get("SLOW_BUILD_ON")
+
+
+def _slow_build(*args, **kwargs):
+    if SLOW_ON and current().me == SLOW_ON:
+        open(os.environ["BUILDING"], "w").close()
+        time.sleep(60)
+    return _build(*args, **kwargs)
+
+
+# sent by name over RPC: the receiving process resolves rpcmp.owner.stage.build, patched there too
+_slow_build.__module__, _slow_build.__qualname__ = stage.__name__, "build"
+stage.build = _slow_build
