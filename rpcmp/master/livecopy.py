@@ -107,7 +107,7 @@ class LiveCopies:
                 new_optimizer(pipes[q], {}, set())  # each local optimizer takes the state that came
             self._regroup(stages)
         except Exception as exc:  # noqa: BLE001 - the spare's own loss is recovered from as the owner's was
-            if not spare_lost(spare, gone, exc):
+            if not spare_lost(spare, gone, [o for p in pipes for o in p.owners], exc):
                 raise
             return self.recover(error, position, in_step, redo, since=start)
         self.rep.label_stages()

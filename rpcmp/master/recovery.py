@@ -178,7 +178,7 @@ class Snapshots:
             else:
                 position, source = self._from_checkpoint(gone, spare, stages, ckpt)
         except Exception as exc:  # noqa: BLE001 - the spare's own loss is recovered from as the owner's was
-            if not spare_lost(spare, gone, exc):
+            if not spare_lost(spare, gone, pipe.owners, exc):
                 raise
             return self.recover(error, position, in_step, redo, since=start)
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
@@ -286,16 +286,21 @@ def cannot_replace(owners_lost: list[str], spares: list[str], silent: list[str] 
     return "no spare process is left (--spares)"
 
 
-def spare_lost(spare: str, gone: str, exc: BaseException) -> bool:
-    """Whether ``exc``, raised while ``spare`` took over the stages of ``gone``, is the spare's own loss (it no
-    longer answers); the run says so, and the next spare takes over. Each try rolls the survivors back to the same
-    state again, and a spare that had been routed to is an owner lost like any other."""
-    if not unresponsive([spare], timeout=3.0):
-        return False
-    current().lost.add(spare)
-    print(f"rpcmp: {spare}, the spare taking over from {gone}, was lost during the recovery ({reason(exc)}); "
-          f"the next spare takes over, if one is left", file=sys.stderr, flush=True)
-    return True
+def spare_lost(spare: str, gone: str, owners, exc: BaseException) -> bool:
+    """Whether ``exc``, raised while ``spare`` took over the stages of ``gone``, is the loss of the spare alone (it
+    no longer answers, every other of ``owners`` does): the run says so, and the next spare takes over. Each try
+    rolls the survivors back to the same state again, and a spare that had been routed to is an owner lost like
+    any other. An owner lost meanwhile is named, and the error stands."""
+    silent = unresponsive(sorted({spare, *owners} - {gone}), timeout=3.0)
+    if silent == [spare]:
+        current().lost.add(spare)
+        print(f"rpcmp: {spare}, the spare taking over from {gone}, was lost during the recovery ({reason(exc)}); "
+              f"the next spare takes over, if one is left", file=sys.stderr, flush=True)
+        return True
+    if silent:
+        print(f"rpcmp: not recovered in place: {', '.join(p for p in silent if p != spare)} lost too, while {spare} "
+              f"took over from {gone}; the run ends", file=sys.stderr, flush=True)
+    return False
 
 
 def rebuild_on_spare(pipe, gone: str, spare: str, stages: list[int], empty: bool) -> dict:
