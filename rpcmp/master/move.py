@@ -23,8 +23,9 @@ from torch.distributed.nn import RemoteModule
 from torch.distributed.optim import DistributedOptimizer
 
 from ..core.futures import raise_failures, wait_all
+from ..core.health import reason, unresponsive
 from ..core.served import current
-from ..errors import JobError, PlacementError
+from ..errors import JobError, PlacementError, WorkerLostError
 from ..owner import move as owner_move
 from ..owner import stage
 from ..plan.placement import Place
@@ -62,12 +63,18 @@ def move_stage(pipe, index: int, target: str, copy_of: bool = False, replica: in
     start = time.perf_counter()
     owners = list(pipe.owners)
     owners[index] = new.process
-    built = build_on(pipe, index, new, owners)
     old_optims = {r.owner().name: r for r in (pipe.optimizer.remote_optimizers if pipe.optimizer else [])}
     # The generators travel when the move leaves no other stage on either process: see [Note: what a stage is, to move it].
     alone = pipe.owners.count(old.process) == 1 and new.process not in pipe.owners
-    rpc.rpc_sync(new.process, owner_move.take_stage, args=(pipe.pid, index, old.process,
-                                                          old_optims.get(old.process), alone))
+    try:
+        built = build_on(pipe, index, new, owners)
+        rpc.rpc_sync(new.process, owner_move.take_stage, args=(pipe.pid, index, old.process,
+                                                              old_optims.get(old.process), alone))
+    except Exception as exc:  # noqa: BLE001 - nothing has changed place yet: the stage stays where it was
+        if unresponsive([new.process], timeout=3.0):
+            raise WorkerLostError(f"move_stage: stage {index} stays on {old.process}: {new.process} was lost while it "
+                                  f"took the stage ({reason(exc)})") from exc
+        raise
     pipe.places[index], pipe.owners[index] = new, new.process
     wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
     rpc.rpc_sync(old.process, owner_move.drop_stage, args=(pipe.pid, index))

@@ -24,7 +24,7 @@ from ..master.move import warm
 from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
 from ..job import check_movable
-from ..errors import JobError, PartitionError
+from ..errors import JobError, PartitionError, WorkerLostError
 from ..plan.topology import Topology
 from ..core.served import RunStatus, current
 
@@ -200,7 +200,12 @@ class PipelineEngine:
             text = f"drained {name}: a spare, it held no stage; it leaves the run"
         else:
             spare = self.spares.pop(0)
-            took = sum(self.pipe.move_stage(k, f"{spare}/{pipe.places[k].device}", replica=r) for k in held)
+            try:
+                took = sum(self.pipe.move_stage(k, f"{spare}/{pipe.places[k].device}", replica=r) for k in held)
+            except WorkerLostError as exc:  # the spare, lost while it took a stage: the job goes on without it
+                current().lost.add(spare)
+                control.answer(number, nonce, False, f"{name} not drained: {exc}")
+                return f"drain of {name} failed: {exc}"
             what = f"replica {r} stage" if self.replicated else "stage"
             text = (f"drained {name}: {what} {', '.join(str(k) for k in held)} moved to {spare} in {took:.2f} s; "
                     f"{name} leaves the run{self._drain_snapshot()}")

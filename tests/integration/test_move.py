@@ -4,6 +4,10 @@ CPU and the same losses, for a names split, a ``Split`` balance and a ``SplitAt`
 split, with SGD momentum and Adam; the old owner lets the stage go."""
 import dataclasses
 import functools
+import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -146,6 +150,44 @@ def test_a_replica_s_stage_moved_or_drained_to_a_spare_or_re_cut_trains_the_same
     assert ok and said.startswith(f"drained {drained}: replica 1 stage 0 moved to worker5"), said
     assert owners[1][0] == "worker5"
     _equal(state, still[1])
+
+
+def _kill_when(path: str) -> None:
+    """SIGKILL the process whose id ``path`` holds, once it exists."""
+    while not os.path.exists(path):
+        time.sleep(0.005)
+    os.kill(int(open(path).read()), signal.SIGKILL)
+
+
+def _drained_as_the_spare_dies(job, world_size: int):
+    """The same steps twice: left alone, and with a drain of worker2 after the first step whose spare (worker4)
+    is killed while it builds worker2's stage (tests/jobs/three_slow_spare.py)."""
+    from rpcmp.train.engine import make_engine
+    out = {}
+    for drain in (False, True):
+        _same_rng(world_size)
+        engine = make_engine(job, world_size)
+        control = current().control = Control(*([(1, "drain", 2, "n")] if drain else []))
+        if drain:
+            threading.Thread(target=_kill_when, args=(os.environ["BUILDING"],), daemon=True).start()
+        for step, (x, y) in enumerate(_data(job)):
+            engine.train_step([(x, y)])
+            engine.after_step(step + 1, (0, step + 1))
+        out[drain] = (control.answers, engine.pipe.state_dict(), list(engine.pipe.owners))
+        engine.pipe.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_a_drain_whose_spare_is_lost_while_it_takes_the_stage_is_refused_and_the_job_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLOW_BUILD_ON", "worker4")
+    monkeypatch.setenv("BUILDING", str(tmp_path / "building"))
+    runs = run_ranks("three_slow_spare", 5, _drained_as_the_spare_dies, overrides={"spares": 1}, timeout=150)
+    (number, ok, said), = runs[True][0]
+    assert not ok and said.startswith("worker2 not drained: move_stage: stage 1 stays on worker2: worker4 was lost "
+                                      "while it took the stage ("), said  # (EOF: end of file), or a reset
+    assert runs[True][2] == runs[False][2] == ["worker1", "worker2", "worker3"]
+    _equal(runs[True][1], runs[False][1])  # the job went on as if no drain had been asked for
 
 
 def _traces_here() -> int:

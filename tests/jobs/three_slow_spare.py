@@ -1,6 +1,6 @@
 """tests/jobs/three.py where the process ``SLOW_BUILD_ON`` names (in the environment; unset: none), once asked to
-build a stage, creates the file ``BUILDING`` names and sleeps 60 s before it builds: a test kills a spare while it
-takes over a lost owner's stage."""
+build a stage, writes its process id to the file ``BUILDING`` names and sleeps 60 s before it builds: a test kills
+a spare while it takes over a lost owner's stage."""
 import os
 import time
 
@@ -14,7 +14,9 @@ SLOW_ON = os.environ.get("SLOW_BUILD_ON")
 
 def _slow_build(*args, **kwargs):
     if SLOW_ON and current().me == SLOW_ON:
-        open(os.environ["BUILDING"], "w").close()
+        with open(os.environ["BUILDING"] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(os.environ["BUILDING"] + ".tmp", os.environ["BUILDING"])
         time.sleep(60)
     return _build(*args, **kwargs)
 
