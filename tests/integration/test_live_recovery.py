@@ -209,7 +209,7 @@ def test_a_spare_lost_while_it_takes_over_is_replaced_by_the_next_and_the_run_en
     building = str(tmp_path / "building")
     code, out = _run_and_hit(tmp_path / "run", [(random.randint(11, 15), "worker2", signal.SIGKILL),
                                                 (building, "worker4", signal.SIGKILL)],
-                             "--local", "6", "--spares", "2", "--snapshot-every", "10", job="three_slow_spare",
+                             "--local", "6", "--spares", "2", "--snapshot-every", "10", job="slow_spare",
                              env={"SLOW_BUILD_ON": "worker4", "BUILDING": building})
     assert code == 0, out
     assert "rpcmp: worker4, the spare taking over from worker2, was lost during the recovery" in out, out

@@ -161,7 +161,7 @@ def _kill_when(path: str) -> None:
 
 def _drained_as_the_spare_dies(job, world_size: int):
     """The same steps twice: left alone, and with a drain of worker2 after the first step whose spare (worker4)
-    is killed while it builds worker2's stage (tests/jobs/three_slow_spare.py)."""
+    is killed while it builds worker2's stage (tests/jobs/slow_spare.py)."""
     from rpcmp.train.engine import make_engine
     out = {}
     for drain in (False, True):
@@ -182,7 +182,7 @@ def _drained_as_the_spare_dies(job, world_size: int):
 def test_a_drain_whose_spare_is_lost_while_it_takes_the_stage_is_refused_and_the_job_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv("SLOW_BUILD_ON", "worker4")
     monkeypatch.setenv("BUILDING", str(tmp_path / "building"))
-    runs = run_ranks("three_slow_spare", 5, _drained_as_the_spare_dies, overrides={"spares": 1}, timeout=150)
+    runs = run_ranks("slow_spare", 5, _drained_as_the_spare_dies, overrides={"spares": 1}, timeout=150)
     (number, ok, said), = runs[True][0]
     assert not ok and said.startswith("worker2 not drained: move_stage: stage 1 stays on worker2: worker4 was lost "
                                       "while it took the stage ("), said  # (EOF: end of file), or a reset

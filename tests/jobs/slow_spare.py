@@ -1,12 +1,14 @@
-"""tests/jobs/three.py where the process ``SLOW_BUILD_ON`` names (in the environment; unset: none), once asked to
-build a stage, writes its process id to the file ``BUILDING`` names and sleeps 60 s before it builds: a test kills
-a spare while it takes over a lost owner's stage."""
+"""tests/jobs/three.py (or the job ``SLOW_SPARE_OF`` names: ``replicated_dies``) where the process ``SLOW_BUILD_ON``
+names (in the environment; unset: none), once asked to build a stage, writes its process id to the file ``BUILDING``
+names and sleeps 60 s before it builds: a test kills a spare while it takes over a lost owner's stage."""
+import importlib
 import os
 import time
 
 import rpcmp.owner.stage as stage
 from rpcmp.core.served import current
-from three import job  # noqa: F401
+
+job = importlib.import_module(os.environ.get("SLOW_SPARE_OF", "three")).job
 
 _build = stage.build
 SLOW_ON = os.environ.get("SLOW_BUILD_ON")
