@@ -5,12 +5,13 @@
 
 For each family: a 4-block model from a tiny config, its batches a dict of ``input_ids`` and a padding
 ``attention_mask``, its loss reading the model's own output (``out.logits``), ``SplitAt`` before blocks 1
-and 3 on 4 processes (the master and three owners), ``schedule="gpipe"`` (the loss, a mean over the
-tokens padding leaves in, is not a mean over samples); one AdamW step, a re-cut before block 2 instead
-of 1, two more steps, then eval-mode predictions. Losses, every parameter and the predictions are
-compared with the unsplit model trained on the same batches in this process, at float32 tolerance.
-Dropout is off: a layer draws its masks from its own process's generator. This file is also the job
-each launch loads (``FAMILY`` in the environment says which).
+and 3 on 4 processes (the master and three owners), ``schedule="gpipe"`` (the loss, a mean over the tokens
+padding leaves in, is not a mean over samples); one AdamW step, a re-cut before block 2 instead of 1, two
+more steps (an encoder-decoder, its decoder reading the same tokens: cut before block 1 of the encoder and
+of the decoder, re-cut before their blocks 2), then eval-mode predictions. Losses, every parameter and the
+predictions are compared with the unsplit model trained on the same batches in this process, at float32
+tolerance. Dropout is off: a layer draws its masks from its own process's generator. This file is also the
+job each launch loads (``FAMILY`` in the environment says which).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import rpcmp
 V = 64
 _KW = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-FAMILIES = {  # name: (config, model, config arguments, the blocks' container)
+FAMILIES = {  # name: (config, model, config arguments, the blocks' container, or the encoder's and the decoder's)
     "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(vocab_size=V, n_positions=64, n_embd=32, n_layer=4, n_head=4,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False), "transformer.h"),
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, _KW, "model.layers"),
@@ -65,6 +66,13 @@ FAMILIES = {  # name: (config, model, config arguments, the blocks' container)
                     "model.layers"),
     "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, dict(_KW, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                 sliding_window=8), "model.layers"),
+    "t5": (T.T5Config, T.T5ForConditionalGeneration, dict(vocab_size=V, d_model=32, d_kv=8, d_ff=64, num_layers=3,
+           num_decoder_layers=3, num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0),
+           ("encoder.block", "decoder.block")),
+    "bart": (T.BartConfig, T.BartForConditionalGeneration, dict(vocab_size=V, d_model=32, encoder_layers=3,
+             decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+             decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+             activation_dropout=0.0, use_cache=False), ("model.encoder.layers", "model.decoder.layers")),
     "bert": (T.BertConfig, T.BertForMaskedLM, dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
              num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
              attention_probs_dropout_prob=0.0), "bert.encoder.layer"),
@@ -81,6 +89,8 @@ class Model(nn.Module):
         self.m = model(config(**kwargs))
 
     def forward(self, batch):
+        if self.m.config.is_encoder_decoder:  # the decoder reads the same tokens (teacher forcing)
+            return self.m(**batch, decoder_input_ids=batch["input_ids"])
         return self.m(**batch)
 
 
@@ -98,8 +108,12 @@ def loss(out, y):
     return F.cross_entropy(out.logits.flatten(0, 1), y.flatten(), ignore_index=-100)
 
 
-_BLOCKS = "m." + FAMILIES[FAMILY][3]
-job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(f"{_BLOCKS}.1", f"{_BLOCKS}.3"), batch_size=8, microbatches=4,
+_BLOCKS = FAMILIES[FAMILY][3]
+if isinstance(_BLOCKS, tuple):  # an encoder-decoder: cut before the encoder's block 1 and the decoder's, re-cut at 2
+    _CUT, _RECUT = [f"m.{_BLOCKS[0]}.1", f"m.{_BLOCKS[1]}.1"], [f"m.{_BLOCKS[0]}.2", f"m.{_BLOCKS[1]}.2"]
+else:
+    _CUT, _RECUT = [f"m.{_BLOCKS}.1", f"m.{_BLOCKS}.3"], [f"m.{_BLOCKS}.2", f"m.{_BLOCKS}.3"]
+job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(*_CUT), batch_size=8, microbatches=4,
                 schedule="gpipe", loss=loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6}), threads=1)
 
 
@@ -107,7 +121,7 @@ def _split_run(job, world):
     data = batches()
     pipe = rpcmp.Pipeline(job, world, sample=data[0][0])
     losses = [pipe.train_step(*data[0]).item()]
-    pipe.recut(rpcmp.SplitAt(f"{_BLOCKS}.2", f"{_BLOCKS}.3"))
+    pipe.recut(rpcmp.SplitAt(*_RECUT))
     losses += [pipe.train_step(x, y).item() for x, y in data[1:]]
     pipe.eval()
     out = torch.tensor(losses), pipe.state_dict(), pipe.predict(data[0][0]).logits
