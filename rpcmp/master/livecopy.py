@@ -73,12 +73,12 @@ class LiveCopies:
         """Nothing to wait for before a step: the copies are the source (see the Note)."""
 
     def recover(self, error: BaseException, position: tuple[int, int, int], in_step: bool = True,
-                redo: str = "its checkpoint skipped", since: float | None = None) -> RolledBack:
+                redo: str = "its checkpoint skipped", first: tuple[float, str] | None = None) -> RolledBack:
         """Rebuild the stages of the owner whose loss failed the step at ``position`` (or, not ``in_step``, the
         checkpoint save after the step before it) from a live copy, or re-raise ``error`` (see [Note: recovery
-        from a live copy]). A spare lost while it takes over is replaced by the next (``since``: when the first
-        try began)."""
-        start, pipes = since or time.perf_counter(), self.rep.pipes
+        from a live copy]). A spare lost while it takes over is replaced by the next (``first``: when the first
+        try began, and the owner it replaced)."""
+        start, pipes = first[0] if first else time.perf_counter(), self.rep.pipes
         owners = {o for p in pipes for o in p.owners}
         lost = unresponsive(sorted(owners | set(self.spares)), timeout=3.0)
         silent = [s for s in self.spares if s in lost]
@@ -109,13 +109,13 @@ class LiveCopies:
         except Exception as exc:  # noqa: BLE001 - the spare's own loss is recovered from as the owner's was
             if not spare_lost(spare, gone, [o for p in pipes for o in p.owners], exc):
                 raise
-            return self.recover(error, position, in_step, redo, since=start)
+            return self.recover(error, position, in_step, redo, first=first or (start, gone))
         self.rep.label_stages()
         self.rep.meeting.reset()
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
         what = (f"step {position[0] + 1} stood: replica {self.rep.pipes.index(source)} had taken it" if stood
                 else f"step {position[0] + 1} runs again" if in_step else redo)
-        return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
+        return RolledBack(position, f"recovered: {first[1] if first else gone} was lost ({type(error).__name__}: "
                                     f"{reason(error)}); replica {r} stage {names} rebuilt on {spare} "
                                     f"from the live copy on {', '.join(source.owners[k] for k in stages)}; no step "
                                     f"lost ({what}){self._refilled(refill, r)}; "

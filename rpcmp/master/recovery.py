@@ -148,12 +148,12 @@ class Snapshots:
                                       f"owner is recovered from an earlier snapshot, or ends the run without one")
 
     def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
-                redo: str = "", since: float | None = None) -> RolledBack:
+                redo: str = "", first: tuple[float, str] | None = None) -> RolledBack:
         """Replace the owner whose loss failed a step (or a checkpoint save, an evaluation: not ``in_step``), or
         re-raise ``error`` (see [Note: recovery from a lost owner]); the run goes on from the snapshot's position
         either way, which the line says (``redo``, what runs again, is for a live copy's line). A spare lost while
-        it takes over is replaced by the next (``since``: when the first try began)."""
-        start, pipe = since or time.perf_counter(), self.pipe
+        it takes over is replaced by the next (``first``: when the first try began, and the owner it replaced)."""
+        start, pipe = first[0] if first else time.perf_counter(), self.pipe
         lost = unresponsive(sorted(set(pipe.owners) | set(self.spares)), timeout=3.0)
         silent = [s for s in self.spares if s in lost]
         self.spares[:] = [s for s in self.spares if s not in lost]
@@ -180,9 +180,9 @@ class Snapshots:
         except Exception as exc:  # noqa: BLE001 - the spare's own loss is recovered from as the owner's was
             if not spare_lost(spare, gone, pipe.owners, exc):
                 raise
-            return self.recover(error, position, in_step, redo, since=start)
+            return self.recover(error, position, in_step, redo, first=first or (start, gone))
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
-        return RolledBack(position, f"recovered: {gone} was lost ({type(error).__name__}: "
+        return RolledBack(position, f"recovered: {first[1] if first else gone} was lost ({type(error).__name__}: "
                                    f"{reason(error)}); stage {names} rebuilt on {spare} from "
                                    f"{source}; every stage rolled back to step {position[0]}; "
                                    f"{time.perf_counter() - start:.2f} s")

@@ -204,13 +204,15 @@ def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path
 
 
 @pytest.mark.timeout(300)
-def test_a_spare_lost_while_it_takes_over_is_replaced_by_the_next_and_the_run_ends_equal(tmp_path, uninterrupted):
-    # worker4, the first spare, is killed while it builds worker2's stage (it says so in a file, then waits)
+@pytest.mark.parametrize("at", ["build", "restore"], ids=["building-the-stage", "routed-to-taking-the-snapshot"])
+def test_a_spare_lost_while_it_takes_over_is_replaced_by_the_next_and_the_run_ends_equal(tmp_path, uninterrupted, at):
+    # worker4, the first spare, is killed while it builds worker2's stage, or once every owner is routed to it and
+    # it takes the snapshot's values (it says so in a file, then waits)
     building = str(tmp_path / "building")
     code, out = _run_and_hit(tmp_path / "run", [(random.randint(11, 15), "worker2", signal.SIGKILL),
                                                 (building, "worker4", signal.SIGKILL)],
                              "--local", "6", "--spares", "2", "--snapshot-every", "10", job="slow_spare",
-                             env={"SLOW_BUILD_ON": "worker4", "BUILDING": building})
+                             env={"SLOW_BUILD_ON": "worker4", "BUILDING": building, "SLOW_AT": at})
     assert code == 0, out
     assert "rpcmp: worker4, the spare taking over from worker2, was lost during the recovery" in out, out
     assert out.count("recovered: ") == 1 and "recovered: worker2 was lost" in out, out
