@@ -216,7 +216,8 @@ def test_a_spare_lost_while_it_takes_over_is_replaced_by_the_next_and_the_run_en
     assert code == 0, out
     assert "rpcmp: worker4, the spare taking over from worker2, was lost during the recovery" in out, out
     assert out.count("recovered: ") == 1 and "recovered: worker2 was lost" in out, out
-    assert "stage 1 (layers[2:4]) rebuilt on worker5 from the snapshot of step 10 kept by worker3" in out, out
+    # of step 10 as a rule; of a later one where a busy machine lets the run (steps of milliseconds) pass it first
+    assert re.search(r"stage 1 \(layers\[2:4\]\) rebuilt on worker5 from the snapshot of step [1-5]0 kept by worker3", out), out
     got = load_checkpoint(str(tmp_path / "run"))
     assert got["step"] == STEPS
     assert_close_f32(got["model"], uninterrupted["model"])
