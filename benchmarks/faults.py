@@ -9,11 +9,10 @@
 The model is ``benchmarks/families.py``'s (a 4-block model of FAMILY from a tiny config, 3 stages), trained
 on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcmp run``: one left alone, one
 whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file (SECONDS later
-with ``+SECONDS``; each hit in turn, when several are given). It prints
-what the hit run said of the loss (its recovery line, or its error), both exit codes and times, and the
-largest difference between the two runs' final parameters (0.0: the recovery changed nothing of the
-math), and exits 1 where a run failed or the difference is above 1e-5. This file is also the job each
-run loads (``FAMILY`` in the environment says which).
+with ``+SECONDS``; each hit in turn, when several are given). It prints what the hit run said of the loss (its
+recovery line, or its error), both exit codes and times, and the largest difference between the two runs' final
+parameters (0.0: the recovery changed nothing of the math), and exits 1 where a run failed or the difference is
+above 1e-5. This file is also the job each run loads (``FAMILY`` in the environment says which).
 """
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def _steps(metrics: str) -> int:
 
 def run(folder: str, options: list[str], hits: tuple = ()) -> tuple[int, str, float]:
     """``rpcmp run`` of this job, checkpoints in ``folder``; ``hits``: (step, process, signal, seconds after the
-    step) each, in turn.
-    (exit, output, s)."""
+    step) each, in turn. (exit, output, s)."""
     metrics, start = folder + ".jsonl", time.time()
     rpcmp = os.path.join(os.path.dirname(sys.executable), "rpcmp")
     proc = subprocess.Popen([rpcmp, "run", os.path.abspath(__file__), "--checkpoint-dir", folder, "--metrics", metrics,
