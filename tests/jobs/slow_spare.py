@@ -14,8 +14,8 @@ from rpcmp.core.served import current
 job = importlib.import_module(os.environ.get("SLOW_SPARE_OF", "three")).job
 
 SLOW_ON = os.environ.get("SLOW_BUILD_ON")
-MODULE = {"build": stage, "restore": snapshot, "take_stage": move}[os.environ.get("SLOW_AT", "build")]
 NAME = os.environ.get("SLOW_AT", "build")
+MODULE = {"build": stage, "restore": snapshot, "take_stage": move}[NAME]
 _real = getattr(MODULE, NAME)
 
 
