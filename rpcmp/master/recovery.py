@@ -74,6 +74,8 @@ class Snapshots:
         self.kept: dict[int, dict[str, Any]] = {}  # step -> the master's own state at that step
         self.reships: list[tuple] = []  # (owner, stage, step, new buddy): a lost buddy's copies, sent again
         self.last: tuple | None = None  # (pipeline id, step, owners) of the last snapshot
+        self.floor: int | None = None  # what the owners may drop below once the copies being taken are made
+        self.forgetting: list = []  # the owners dropping their copies below a step every buddy holds
         self.notes: list[str] = []  # a snapshot an owner that still answers could not take: for the log (settle)
         self._said: set[str] = set()
 
@@ -111,6 +113,9 @@ class Snapshots:
         if buddies is None or pipe.optimizer is None:
             return
         optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
+        # once every owner has made its copy of this step, its shipment of the one before has landed: below that
+        # one, nothing is held by a buddy that every owner does not hold too ([Note: snapshots and their buddies])
+        before = self.last[1] if self.last and self.last[0] == pipe.pid and self.last[1] < step else None
         try:
             taking = [(o, step, rpc.rpc_async(o, snapshot.take, args=(pipe.pid, step, {o: optims[o]} if o in optims
                                                                      else {}, buddies, landed)))
@@ -123,8 +128,9 @@ class Snapshots:
             failed = [why for why in wait_all([fut for _, _, fut in taking]) if why]
             if failed:
                 raise RuntimeError(f"the snapshot of step {step} is not whole: {failed[0]}")
+            self._forget(step, [o for o, _, _ in taking])  # every buddy holds this one
         else:
-            self.taking = taking
+            self.taking, self.floor = taking, before
         self.last = (pipe.pid, step, tuple(pipe.owners))
         self.kept[step] = {"position": (step, *position), "loss_scale": pipe.loss_scale,
                            "scheduler": pipe.scheduler_state() if pipe.scheduler is not None else None}
@@ -137,15 +143,29 @@ class Snapshots:
         asks the buddies and the survivors what they hold (:meth:`_whole_snapshot`). A copy that failed on an
         owner that still answers is said, once per reason: a loss is then recovered from an earlier snapshot."""
         taking, self.taking = self.taking, []
+        whole = bool(taking)
         for owner, step, fut in taking:
             try:
                 fut.wait()
             except Exception as exc:  # noqa: BLE001 - a lost owner shows at the next step, which recovers from what is held
-                why = reason(exc)
+                whole, why = False, reason(exc)
                 if why not in self._said and not unresponsive([owner], timeout=3.0):
                     self._said.add(why)
                     self.notes.append(f"warning: {owner} could not take the snapshot of step {step} ({why}); a lost "
                                       f"owner is recovered from an earlier snapshot, or ends the run without one")
+        if whole and self.floor is not None:  # else the owners keep what they have (at most snapshot.MOST each)
+            self._forget(self.floor, [owner for owner, _, _ in taking])
+        self.floor = None
+
+    def _forget(self, below: int, owners: list[str]) -> None:
+        """The owners drop their own copies of the steps before ``below``, and the master its part of them."""
+        try:
+            wait_all(self.forgetting)  # one at a time, so that a later one never arrives first
+        except Exception:  # noqa: BLE001 - an owner is gone: what it kept is the recovery's concern, not this
+            pass
+        self.forgetting = [rpc.rpc_async(o, snapshot.forget, args=(self.pipe.pid, below)) for o in owners]
+        for old in [s for s in self.kept if s < below]:
+            del self.kept[old]
 
     def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
                 redo: str = "", first: tuple[float, str] | None = None) -> RolledBack:
@@ -171,7 +191,7 @@ class Snapshots:
             raise error
         spare = self.spares.pop(0)
         current().lost.add(gone)
-        self.taking = []  # copies on the lost process never finish; the others' are done by now
+        self.taking, self.floor = [], None  # copies on the lost process never finish; the others' are done by now
         try:
             if ckpt is None:
                 position, source = self._from_snapshot(gone, spare, stages, step, buddies)
@@ -228,6 +248,7 @@ class Snapshots:
             raise
         wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
         install_rebuilt(pipe, built, old_optims, spare)
+        self.last = (pipe.pid, step, tuple(pipe.owners))  # the snapshot the next one follows
         kept = self.kept[step]
         if kept["scheduler"] is not None:
             pipe.load_scheduler_state(kept["scheduler"])
@@ -258,6 +279,7 @@ class Snapshots:
             pipe.loss_scale = ckpt["loss_scale"]
         if self.every:
             self.kept.clear()  # the snapshots are of other steps now
+            self.last = None
             self.snap(ckpt["step"], (ckpt["epoch"], ckpt["next_batch"]))
         return (ckpt["step"], ckpt["epoch"], ckpt["next_batch"]), f"the checkpoint of step {ckpt['step']} ({ckpt['path']})"
 

@@ -10,11 +10,17 @@ generators), copied so that later steps leave it alone. The copy is made on an R
 the owner while the master is between steps (the master waits for it before the next step,
 so no optimizer step can change a tensor half copied); it then travels to the stage's
 buddy, the owner of the next stage that is another process (the ring closes at the first),
-while training goes on. An owner keeps its own last two snapshots (the one on its way and
-the one its buddy holds) and starts a shipment only when the previous one has arrived, so
-whatever step the buddy of a lost stage holds, every other stage holds its own copy of the
-same step. Memory: an owner holds its stages twice more (its own copy and a neighbour's),
-on the CPU; the master holds none of it, and no process holds the whole model.
+while training goes on. An owner starts a shipment only when its previous one has arrived,
+and drops its own copy of a step only when the master says that every buddy holds that step's
+successor or a later one (:func:`forget`): an owner's take of step c waits for its own shipment
+of b, so once every owner's take of c has returned, each buddy holds b or c, and a, the step
+before b, can go. Each owner knows only its own shipments: dropping a on its own once its b
+arrived left it without the step that the buddy of a slower neighbour still held (the
+neighbour's b on its way when it was lost), and that loss could not be recovered. So whatever
+step the buddy of a lost stage holds, every other stage holds its own copy of the same step.
+Memory: an owner holds its stages three times more while a snapshot is copied (its own copies
+of the last two steps and the new one) and twice more otherwise, plus the neighbour's copy it
+keeps, on the CPU; the master holds none of it, and no process holds the whole model.
 """
 from __future__ import annotations
 
@@ -27,7 +33,11 @@ from ..core.health import reason
 from ..core.served import current
 from .move import export_stage, fill_stage
 
-__all__ = ["take", "reship", "keep", "held", "own_steps", "restore"]
+__all__ = ["take", "forget", "reship", "keep", "held", "own_steps", "restore"]
+
+# the own copies an owner keeps at most, a bound for when the master cannot say what may go (a snapshot that
+# failed on an owner): the last two and the one being made
+MOST = 3
 
 
 def take(pid: int, step: int, optims: dict, buddies: dict[int, str], landed: bool = False) -> str | None:
@@ -49,7 +59,7 @@ def take(pid: int, step: int, optims: dict, buddies: dict[int, str], landed: boo
         data = export_stage(pid, index, optims.get(me), rng=i == 0, copy=True)
         own = served.snapshots.setdefault((pid, index), {})
         own[step] = data
-        for old in sorted(own)[:-2]:
+        for old in sorted(own)[:-MOST]:  # what the master let go went at its forget
             del own[old]
         futs.append(rpc.rpc_async(buddies[index], keep, args=(pid, index, step, data)))
     if futs and landed:
@@ -61,6 +71,14 @@ def take(pid: int, step: int, optims: dict, buddies: dict[int, str], landed: boo
     elif futs:
         served.shipping[pid] = torch.futures.collect_all(futs)
     return None
+
+
+def forget(pid: int, below: int) -> None:
+    """Drop this process's own snapshots of pipeline ``pid`` older than step ``below``: every buddy holds that
+    step or a later one (see [Note: snapshots and their buddies])."""
+    for (p, _), own in current().snapshots.items():
+        for old in [s for s in own if p == pid and s < below]:
+            del own[old]
 
 
 def reship(pid: int, index: int, step: int, buddy: str) -> None:

@@ -1,17 +1,20 @@
 """tests/jobs/paced.py whose process takes ``SLOW_KEEP_S`` seconds (in its environment; 0: none) to keep a
-neighbour's snapshot of any step after the first: a test kills an owner while a snapshot travels to it."""
+neighbour's snapshot of any step after the first: a test kills an owner while a snapshot travels to it.
+``SLOW_KEEP_ON`` (a process name) and ``SLOW_KEEP_AT`` (a step): only that process, only that step."""
 import os
 import time
 
 import rpcmp.owner.snapshot as snapshot
+from rpcmp.core.served import current
 from paced import job  # noqa: F401
 
 _keep = snapshot.keep
 SLOW = float(os.environ.get("SLOW_KEEP_S", "0"))
+ON, AT = os.environ.get("SLOW_KEEP_ON"), os.environ.get("SLOW_KEEP_AT")
 
 
 def _slow_keep(pid, index, step, data):
-    if SLOW and step:
+    if SLOW and step and (AT is None or step == int(AT)) and (ON is None or current().me == ON):
         time.sleep(SLOW)
     _keep(pid, index, step, data)
 
