@@ -209,8 +209,8 @@ class Snapshots:
 
     def _whole_snapshot(self, buddies: dict[int, str], gone: str, stages: list[int]) -> tuple[int | None, str]:
         """The step of the snapshot the buddies of the lost ``stages`` hold, if every surviving owner holds its
-        own copy of that step too (each keeps its last two) and the master its part; else None, and what each
-        held (for the line that says the run cannot go on)."""
+        own copy of that step too (each keeps what a buddy may still hold) and the master its part; else None, and
+        what each held (for the line that says the run cannot go on)."""
         pid = self.pipe.pid
         survivors = sorted(set(self.pipe.owners) - {gone})
         try:

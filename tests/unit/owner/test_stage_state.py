@@ -33,23 +33,28 @@ def _optims(pipe):
     return {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
 
 
-def test_a_snapshot_is_a_copy_that_later_steps_leave_alone_and_only_the_last_two_are_kept(pipe):
-    for step in (1, 2, 3):
+def test_a_snapshot_is_a_copy_that_later_steps_leave_alone_and_its_owner_drops_what_the_master_lets_go(pipe):
+    for step in (1, 2, 3, 4):
         _step(pipe)
         snapshot.take(pipe.pid, step, _optims(pipe), {0: "master", 1: "master"})
         current().shipping[pipe.pid].wait()
-    at_three = pipe.state_dict()
+        if step == 3:
+            at_three = pipe.state_dict()
     _step(pipe)
     served = current()
-    assert sorted(served.snapshots[(pipe.pid, 0)]) == [2, 3] and snapshot.held(pipe.pid, 1) == 3
-    assert snapshot.own_steps(pipe.pid) == [2, 3] and snapshot.own_steps(pipe.pid + 1000) == []
+    # kept until the master says every buddy holds a later step; at most snapshot.MOST where it never says so
+    assert sorted(served.snapshots[(pipe.pid, 0)]) == [2, 3, 4] and snapshot.held(pipe.pid, 1) == 4
+    snapshot.forget(pipe.pid + 1000, 4)  # another pipeline's: nothing of this one goes
+    assert snapshot.own_steps(pipe.pid) == [2, 3, 4] and snapshot.own_steps(pipe.pid + 1000) == []
+    snapshot.forget(pipe.pid, 3)
+    assert snapshot.own_steps(pipe.pid) == [3, 4]
     for index in (0, 1):
         kept = served.snapshots[(pipe.pid, index)][3]
         prefix = kept["prefix"]
         assert kept["params"] and all(torch.equal(v, at_three[prefix + k]) for k, v in kept["params"].items())
         assert any(not torch.equal(v, pipe.state_dict()[prefix + k]) for k, v in kept["params"].items())
-    with pytest.raises(RuntimeError, match="of step 3, not 2"):  # a buddy answers only for the step it holds
-        snapshot.restore(pipe.pid, 1, 2, "master")
+    with pytest.raises(RuntimeError, match="of step 4, not 3"):  # a buddy answers only for the step it holds
+        snapshot.restore(pipe.pid, 1, 3, "master")
 
 
 def test_a_stage_rolls_back_to_its_own_copy_or_its_buddys_with_optimizer_state_by_name(pipe):
