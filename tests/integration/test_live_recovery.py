@@ -225,14 +225,16 @@ def test_a_spare_lost_while_it_takes_over_is_replaced_by_the_next_and_the_run_en
 
 @pytest.mark.timeout(300)
 def test_an_owner_lost_while_its_copy_travels_is_replaced_from_the_step_its_buddy_still_holds(tmp_path, uninterrupted):
-    # Snapshots every 2 steps; worker3 takes 10 s to keep worker2's copy of step 2, so worker2's take of step 4
-    # waits for it (one shipment at a time) and the run stalls after step 4, while worker1 and worker3 have their
-    # own copies of step 4 made. worker2 is killed there: worker3 still holds stage 1's copy of step 0, which the
-    # others must hold too (an owner used to drop it as soon as its own copy of step 2 had landed).
-    code, out = _run_and_hit(tmp_path / "run", [(lambda: metric_steps(str(tmp_path / "run") + ".jsonl") >= 4
-                                                 and time.sleep(1.5) is None, "worker2", signal.SIGKILL)],
-                             "--spares", "1", "--snapshot-every", "2", job="three_slow_keep",
-                             env={"SLOW_KEEP_S": "10", "SLOW_KEEP_ON": "worker3", "SLOW_KEEP_AT": "2"})
+    # Snapshots every 2 steps; worker3 holds up its keep of worker2's copy of step 2 (until the test lets it go), so
+    # worker2's take of step 4 waits for it (one shipment at a time) and the run stalls after step 4, while worker1
+    # and worker3 have their own copies of step 4 made. worker2 is killed there: worker3 still holds stage 1's copy
+    # of step 0, which the others must hold too (an owner used to drop it as soon as its own copy of step 2 landed).
+    metrics, let_go = str(tmp_path / "run") + ".jsonl", tmp_path / "let-go"
+    code, out = _run_and_hit(tmp_path / "run", [
+        (lambda: metric_steps(metrics) >= 4 and time.sleep(1.5) is None, "worker2", signal.SIGKILL),
+        (lambda: metric_steps(metrics) >= 9 and let_go.touch() is None, "worker3", 0)],  # trained on: keep ends
+        "--spares", "1", "--snapshot-every", "2", job="three_slow_keep",
+        env={"SLOW_KEEP_UNTIL": str(let_go), "SLOW_KEEP_ON": "worker3", "SLOW_KEEP_AT": "2"})
     assert code == 0, out
     assert "stage 1 (layers[2:4]) rebuilt on worker4 from the snapshot of step 0 kept by worker3" in out, out
     got = load_checkpoint(str(tmp_path / "run"))
