@@ -36,7 +36,7 @@ from .graphs import forget_trace, place_graph
 from .strange import refuse_strange
 from .export import trace_split
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
-                     stage_module)
+                     same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
 from ..errors import PartitionError
 
@@ -92,6 +92,7 @@ class StageSpec:
     tied: tuple[tuple[str, str], ...] = ()  # (name here, the unsplit model's first name) of parameters other stages share
     sizes: tuple = ()  # "traced": per input tensor, each dimension's size where the graph fixes it, else None
     cut: tuple[str, ...] = ()  # "traced": the SplitAt points the graph was cut at (a re-cut moves them)
+    one_graph: bool = False  # "traced": the model traces alike in train and eval mode: an owner traces it once
 
 
 def declaration_kind(stages: Any) -> str:
@@ -216,7 +217,7 @@ def warm_trace(job, spec: StageSpec) -> None:
     """Trace the model that ``spec`` was cut from (a traced stage) or keep it on the meta device (by name or slice),
     so that a later build of any stage of it here skips that (a spare's: 25 ms of 40 for the demo's decoder)."""
     if spec.kind == "traced":
-        _traces(_as_cut(job, spec), spec.example)
+        _traces(_as_cut(job, spec), spec.example, eval_too=not spec.one_graph)
     elif spec.kind in ("names", "slice"):
         _meta(job)
 
@@ -253,7 +254,7 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
     """Trace the model on the meta device as the master did, then give this stage, and only it,
     the unsplit model's values: every tensor its graphs read (see [Note: every tensor a stage reads])."""
     job = _as_cut(job, spec)
-    pipes = _traces(job, spec.example)
+    pipes = _traces(job, spec.example, eval_too=not spec.one_graph)
     modules = [graph_copy(pipe, spec.index) for pipe in pipes]  # the traces stay as they are for the next build
     if not meta:
         for module in modules:  # see [Note: a traced graph names the device it was traced on]
@@ -288,20 +289,26 @@ _TRACES: OrderedDict = OrderedDict()  # the last few traces of this process (see
 _METAS: OrderedDict = OrderedDict()  # the last few meta models of this process (see _meta)
 
 
-def _traces(job, example: tuple) -> list:
+def _traces(job, example: tuple, eval_too: bool = True) -> list:
     """``job.model()`` traced on the meta device in train and eval mode, cut at ``job.stages``, on one
-    micro-batch like ``example`` (:func:`example_of`): once per process for a model factory, seed, split and
-    micro-batch shape, the last 8 kept. The master's plan and the stage it holds share one trace, an owner's
-    builds for every Pipeline of a run share one, and so does a second plan of the same job in one process
-    (a sweep over other settings, a notebook): tracing is seconds, most of a build. A job whose factory was
-    replaced in place is traced again."""
-    key = (id(job.model), job.seed, repr(job.stages), repr(example))
+    micro-batch like ``example`` (:func:`example_of`); without ``eval_too`` (the plan found both modes' graphs
+    the same: ``StageSpec.one_graph``), the train mode's twice. Each once per process for a model factory, seed,
+    split, micro-batch shape and mode, the last 16 kept. The master's plan and the stage it holds share one
+    trace, an owner's builds for every Pipeline of a run share one, and so does a second plan of the same job in
+    one process (a sweep over other settings, a notebook): tracing is seconds, most of a build. A job whose
+    factory was replaced in place is traced again."""
+    train = _trace(job, example, True)
+    return [train, _trace(job, example, False) if eval_too else train]
+
+
+def _trace(job, example: tuple, train: bool):
+    key = (id(job.model), job.seed, repr(job.stages), repr(example), train)
     entry = _TRACES.get(key)
     if entry is None or entry[0] is not job.model:  # held here: another thread's build may drop it from the cache
-        sample = from_example(example, "meta")
-        entry = _TRACES[key] = (job.model, [trace_split(meta_model(job), job.stages, sample),
-                                            trace_split(meta_model(job).eval(), job.stages, sample)])
-        while len(_TRACES) > 8:
+        model = meta_model(job)
+        entry = _TRACES[key] = (job.model, trace_split(model if train else model.eval(), job.stages,
+                                                       from_example(example, "meta")))
+        while len(_TRACES) > 16:
             _TRACES.popitem(last=False)
     return entry[1]
 
@@ -329,6 +336,7 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     tied = shared_params(model, [h | set(u) for h, u in zip(held, unused)])
     check_any_batch_size(pipe, example)
     check_same_cut(pipe, evaluated)  # see [Note: a traced stage in eval mode]
+    one = same_graphs(pipe, evaluated)
     check_any_batch_size(evaluated, example)
     sizes = input_sizes(pipe, example)
     if job.stages.lengths == "any":
@@ -337,7 +345,7 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
                       example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
-                      cut=tuple(job.stages.points))
+                      cut=tuple(job.stages.points), one_graph=one)
             for i in range(pipe.num_stages)]
 
 

@@ -25,7 +25,10 @@ predict`` would run the training graph: other outputs, and running statistics th
 evaluation changes (figures: benchmarks/PERFORMANCE.md, design measurements). So the model is traced twice, in train and in eval
 mode; each stage holds both graphs over the same parameters and buffers and runs the
 one of its mode (:func:`attach_eval`). Both must cut the model alike
-(:func:`check_same_cut`).
+(:func:`check_same_cut`). Where the two are the same graphs (:func:`same_graphs`: a model
+with no dropout, no BatchNorm and no branch on ``self.training``, a Llama or a nanoGPT), the
+plan says so (``StageSpec.one_graph``) and each owner traces the model once, in train mode,
+and runs that graph in both modes: half of an owner's tracing, which is most of its build.
 
 [Note: any batch size]
 A stage runs micro-batches, a smaller last micro-batch, whole batches (BatchNorm) and
@@ -60,7 +63,7 @@ from torch import nn
 from ..errors import PartitionError
 
 __all__ = ["SplitAt", "stage_module", "graph_copy", "attach_eval",
-           "check_same_cut", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example"]
+           "check_same_cut", "same_graphs", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example"]
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,16 @@ def check_same_cut(train_pipe, eval_pipe) -> None:
         raise PartitionError("SplitAt: the model traced in eval mode passes other values between the cuts than in "
                              "train mode (its forward branches on self.training across a cut): move the cut, or "
                              "declare the stages as modules")
+
+
+def same_graphs(train_pipe, eval_pipe) -> bool:
+    """Whether the model traced in train and in eval mode gave the same graphs, op for op and argument for
+    argument, in every module of every stage (no dropout, no BatchNorm, no branch on ``self.training``: a Llama,
+    a nanoGPT; dropout with p=0 still traces as an op): the eval graph would compute what the train graph does."""
+    def graphs(pipe):
+        return {name: str(m.graph) for name, m in pipe.split_gm.named_modules()
+                if isinstance(getattr(m, "graph", None), torch.fx.Graph)}
+    return graphs(train_pipe) == graphs(eval_pipe)
 
 
 def _signature(pipe) -> tuple:

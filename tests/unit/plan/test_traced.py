@@ -254,6 +254,36 @@ def test_a_second_plan_of_the_same_job_and_batch_shape_reuses_the_trace(monkeypa
     assert len(plan_stages(job, x)) == 2 and len(traced) > before
 
 
+class _Dropped(nn.Module):
+    def __init__(self, p: float | None):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 8), nn.Linear(8, 2)
+        self.drop = nn.Dropout(p) if p is not None else nn.Identity()
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+@pytest.mark.parametrize("p,one", [(None, True), (0.0, False), (0.5, False)], ids=["no-dropout", "p0", "p0.5"])
+def test_an_owner_traces_once_where_train_and_eval_mode_trace_alike_and_its_stage_runs_both_modes(monkeypatch, p, one):
+    import rpcmp.plan.partition as partition
+    job = rpcmp.Job(model=lambda: _Dropped(p), stages=rpcmp.SplitAt("fc2"))
+    x = torch.randn(6, 16)
+    specs = plan_stages(job, x)
+    assert all(s.one_graph is one for s in specs)  # dropout, even with p=0, is an op of the train graph only
+    monkeypatch.setattr(partition, "_TRACES", type(partition._TRACES)())  # an owner's process: nothing traced yet
+    traced = []
+    monkeypatch.setattr(partition, "trace_split", lambda *a, **k: traced.append(1) or trace_split(*a, **k))
+    stages = [build_stage(job, s) for s in specs]
+    assert len(traced) == (1 if one else 2)
+    torch.manual_seed(job.seed)
+    model = _Dropped(p)
+    for mode in ("eval", "train") if p != 0.5 else ("eval",):  # p=0.5: random masks in train mode
+        for module in (*stages, model):
+            getattr(module, mode)()
+        torch.testing.assert_close(run_stages(stages, x), model(x))
+
+
 
 class _ByDevice(nn.Module):
     """Chooses its path by the device type of its input, as transformers' grouped experts of MoE models do."""
