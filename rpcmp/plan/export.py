@@ -9,6 +9,7 @@ import difflib
 import inspect
 import re
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -17,10 +18,13 @@ from torch import nn
 
 from ..errors import PartitionError
 from .graphs import graphs, place_graph
+from .materialize import meta_model
 from .strange import cached_modules
-from .traced import SplitAt
+from .traced import SplitAt, from_example
 
-__all__ = ["trace_split"]
+__all__ = ["trace_split", "traces"]
+
+_TRACES: OrderedDict = OrderedDict()  # the last few traces of this process (see traces)
 
 
 def trace_split(model: nn.Module, split: SplitAt, sample: Any):
@@ -256,3 +260,27 @@ def _dims(t: torch.Tensor, batch) -> dict:
     """Dimension 0 is the batch; dimension 1 (tokens, time) is dynamic where the model allows it
     (``Dim.AUTO``: export keeps it static where the model fixes it, see [Note: any sequence length])."""
     return {0: batch, 1: torch.export.Dim.AUTO} if t.dim() >= 2 and t.shape[1] > 1 else {0: batch}
+
+
+def traces(job, example: tuple, eval_too: bool = True) -> list:
+    """``job.model()`` traced on the meta device in train and eval mode, cut at ``job.stages``, on one
+    micro-batch like ``example`` (:func:`rpcmp.plan.traced.example_of`); without ``eval_too`` (the plan found both modes' graphs
+    the same: ``StageSpec.one_graph``), the train mode's twice. Each once per process for a model factory, seed,
+    split, micro-batch shape and mode, the last 16 kept. The master's plan and the stage it holds share one
+    trace, an owner's builds for every Pipeline of a run share one, and so does a second plan of the same job in
+    one process (a sweep over other settings, a notebook): tracing is seconds, most of a build. A job whose
+    factory was replaced in place is traced again."""
+    train = _trace(job, example, True)
+    return [train, _trace(job, example, False) if eval_too else train]
+
+
+def _trace(job, example: tuple, train: bool):
+    key = (id(job.model), job.seed, repr(job.stages), repr(example), train)
+    entry = _TRACES.get(key)
+    if entry is None or entry[0] is not job.model:  # held here: another thread's build may drop it from the cache
+        model = meta_model(job)
+        entry = _TRACES[key] = (job.model, trace_split(model if train else model.eval(), job.stages,
+                                                       from_example(example, "meta")))
+        while len(_TRACES) > 16:
+            _TRACES.popitem(last=False)
+    return entry[1]

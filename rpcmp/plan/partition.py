@@ -34,7 +34,7 @@ from .materialize import (COMPILED, attach_tensor, build_part, build_whole, chec
                           tensor_names, tensor_table)
 from .graphs import forget_trace, place_graph
 from .strange import refuse_strange
-from .export import trace_split
+from .export import traces
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
@@ -217,7 +217,7 @@ def warm_trace(job, spec: StageSpec) -> None:
     """Trace the model that ``spec`` was cut from (a traced stage) or keep it on the meta device (by name or slice),
     so that a later build of any stage of it here skips that (a spare's: 25 ms of 40 for the demo's decoder)."""
     if spec.kind == "traced":
-        _traces(_as_cut(job, spec), spec.example, eval_too=not spec.one_graph)
+        traces(_as_cut(job, spec), spec.example, eval_too=not spec.one_graph)
     elif spec.kind in ("names", "slice"):
         _meta(job)
 
@@ -254,7 +254,7 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
     """Trace the model on the meta device as the master did, then give this stage, and only it,
     the unsplit model's values: every tensor its graphs read (see [Note: every tensor a stage reads])."""
     job = _as_cut(job, spec)
-    pipes = _traces(job, spec.example, eval_too=not spec.one_graph)
+    pipes = traces(job, spec.example, eval_too=not spec.one_graph)
     modules = [graph_copy(pipe, spec.index) for pipe in pipes]  # the traces stay as they are for the next build
     if not meta:
         for module in modules:  # see [Note: a traced graph names the device it was traced on]
@@ -285,32 +285,7 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
     return stage
 
 
-_TRACES: OrderedDict = OrderedDict()  # the last few traces of this process (see _traces)
 _METAS: OrderedDict = OrderedDict()  # the last few meta models of this process (see _meta)
-
-
-def _traces(job, example: tuple, eval_too: bool = True) -> list:
-    """``job.model()`` traced on the meta device in train and eval mode, cut at ``job.stages``, on one
-    micro-batch like ``example`` (:func:`example_of`); without ``eval_too`` (the plan found both modes' graphs
-    the same: ``StageSpec.one_graph``), the train mode's twice. Each once per process for a model factory, seed,
-    split, micro-batch shape and mode, the last 16 kept. The master's plan and the stage it holds share one
-    trace, an owner's builds for every Pipeline of a run share one, and so does a second plan of the same job in
-    one process (a sweep over other settings, a notebook): tracing is seconds, most of a build. A job whose
-    factory was replaced in place is traced again."""
-    train = _trace(job, example, True)
-    return [train, _trace(job, example, False) if eval_too else train]
-
-
-def _trace(job, example: tuple, train: bool):
-    key = (id(job.model), job.seed, repr(job.stages), repr(example), train)
-    entry = _TRACES.get(key)
-    if entry is None or entry[0] is not job.model:  # held here: another thread's build may drop it from the cache
-        model = meta_model(job)
-        entry = _TRACES[key] = (job.model, trace_split(model if train else model.eval(), job.stages,
-                                                       from_example(example, "meta")))
-        while len(_TRACES) > 16:
-            _TRACES.popitem(last=False)
-    return entry[1]
 
 
 def _on_meta(sample: Any) -> Any:
@@ -318,7 +293,7 @@ def _on_meta(sample: Any) -> Any:
 
 
 def _plan_traced(job, sample: Any) -> list[StageSpec]:
-    """Trace the model on the master (:func:`_traces`): how many stages the cuts give, and what the owners
+    """Trace the model on the master (:func:`rpcmp.plan.export.traces`): how many stages the cuts give, and what the owners
     trace with."""
     from ..core.microbatch import scatter
     if sample is None:
@@ -329,7 +304,7 @@ def _plan_traced(job, sample: Any) -> list[StageSpec]:
 
 def _trace_plan(job, example: Any) -> list[StageSpec]:
     model = meta_model(job)  # see [Note: each owner materializes only its part]
-    pipe, evaluated = _traces(job, example_of(example))
+    pipe, evaluated = traces(job, example_of(example))
     held = [set(tensor_table(pipe.get_stage_module(i))) for i in range(pipe.num_stages)]
     refuse_strange(model, pipe, held)  # the promise of SplitAt: the unsplit model's names
     unused = place_unused(model, held)

@@ -191,8 +191,8 @@ def test_a_drain_whose_spare_is_lost_while_it_takes_the_stage_is_refused_and_the
 
 
 def _traces_here() -> int:
-    from rpcmp.plan import partition
-    return len(partition._TRACES)
+    from rpcmp.plan import export
+    return len(export._TRACES)
 
 
 def _spare_traced(job, world_size: int) -> tuple[int, int]:

@@ -238,9 +238,9 @@ def test_a_traced_stage_in_eval_mode_runs_the_eval_graph(family):
 
 def test_a_second_plan_of_the_same_job_and_batch_shape_reuses_the_trace(monkeypatch):
     import dataclasses
-    import rpcmp.plan.partition as partition
+    import rpcmp.plan.export as export
     traced = []
-    monkeypatch.setattr(partition, "trace_split", lambda *a, **k: traced.append(1) or trace_split(*a, **k))
+    monkeypatch.setattr(export, "trace_split", lambda *a, **k: traced.append(1) or trace_split(*a, **k))
     job = rpcmp.Job(model=lambda: Classifier(), stages=rpcmp.SplitAt("fc2"))  # a factory no other test planned
     x = torch.randn(4, 16)
     first, once = plan_stages(job, x), len(traced)
@@ -266,14 +266,14 @@ class _Dropped(nn.Module):
 
 @pytest.mark.parametrize("p,one", [(None, True), (0.0, False), (0.5, False)], ids=["no-dropout", "p0", "p0.5"])
 def test_an_owner_traces_once_where_train_and_eval_mode_trace_alike_and_its_stage_runs_both_modes(monkeypatch, p, one):
-    import rpcmp.plan.partition as partition
+    import rpcmp.plan.export as export
     job = rpcmp.Job(model=lambda: _Dropped(p), stages=rpcmp.SplitAt("fc2"))
     x = torch.randn(6, 16)
     specs = plan_stages(job, x)
     assert all(s.one_graph is one for s in specs)  # dropout, even with p=0, is an op of the train graph only
-    monkeypatch.setattr(partition, "_TRACES", type(partition._TRACES)())  # an owner's process: nothing traced yet
+    monkeypatch.setattr(export, "_TRACES", type(export._TRACES)())  # an owner's process: nothing traced yet
     traced = []
-    monkeypatch.setattr(partition, "trace_split", lambda *a, **k: traced.append(1) or trace_split(*a, **k))
+    monkeypatch.setattr(export, "trace_split", lambda *a, **k: traced.append(1) or trace_split(*a, **k))
     stages = [build_stage(job, s) for s in specs]
     assert len(traced) == (1 if one else 2)
     torch.manual_seed(job.seed)
