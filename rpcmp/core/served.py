@@ -117,9 +117,11 @@ class Served:
         # to tell a later attempt which run this one trains (see [Note: a restart resumes by itself]).
         self.attempt = 0
         # Job(snapshot_every=N): this owner's own snapshots ((pid, stage) -> {step: data}), the neighbours' it keeps
-        # ((pid, stage) -> (step, data)) and its shipment on the way, per pipeline (rpcmp/owner/snapshot.py)
+        # (the same, the latest last), the step of one a recovery is reading ((pid, stage) -> step) and its
+        # shipment on the way, per pipeline (rpcmp/owner/snapshot.py)
         self.snapshots: dict = {}
         self.buddy_snapshots: dict = {}
+        self.buddy_pins: dict = {}
         self.shipping: dict = {}
         self.marks: dict = {}  # Job(replicas=R, spares=K): pid -> the buffers and generators of its step's start (rpcmp/owner/live.py)
         # on the master: processes that left the run early, lost and replaced in place (rpcmp/master/recovery.py)

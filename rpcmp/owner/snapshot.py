@@ -18,6 +18,8 @@ before b, can go. Each owner knows only its own shipments: dropping a on its own
 arrived left it without the step that the buddy of a slower neighbour still held (the
 neighbour's b on its way when it was lost), and that loss could not be recovered. So whatever
 step the buddy of a lost stage holds, every other stage holds its own copy of the same step.
+A buddy keeps the latest copy of each neighbour's stage; the one a recovery chose stays until
+the spare has read it, should the lost owner's last shipment land in between (:func:`held`).
 Memory: an owner holds its stages three times more while a snapshot is copied (its own copies
 of the last two steps and the new one) and twice more otherwise, plus the neighbour's copy it
 keeps, on the CPU; the master holds none of it, and no process holds the whole model.
@@ -90,14 +92,26 @@ def reship(pid: int, index: int, step: int, buddy: str) -> None:
 
 
 def keep(pid: int, index: int, step: int, data: dict[str, Any]) -> None:
-    """A buddy keeps the latest snapshot of a neighbour's stage (replacing the one before)."""
-    current().buddy_snapshots[(pid, index)] = (step, data)
+    """A buddy keeps the latest snapshot of a neighbour's stage, replacing the one before unless a recovery is
+    reading that one (:func:`held`)."""
+    served = current()
+    copies = served.buddy_snapshots.setdefault((pid, index), {})
+    copies.pop(step, None)
+    copies[step] = data  # the latest last
+    for old in [s for s in copies if s not in (step, served.buddy_pins.get((pid, index)))]:
+        del copies[old]
 
 
 def held(pid: int, index: int) -> int | None:
-    """The step of the snapshot of stage ``index`` that this buddy holds, or None."""
-    got = current().buddy_snapshots.get((pid, index))
-    return None if got is None else got[0]
+    """The step of the latest snapshot of stage ``index`` that this buddy holds, or None. A recovery asks, then
+    rolls every stage back to that step: the copy stays here until the spare has taken it, should a later one
+    land meanwhile (the lost owner's last shipment, on its way when it died)."""
+    served = current()
+    copies = served.buddy_snapshots.get((pid, index))
+    if not copies:
+        return None
+    step = served.buddy_pins[(pid, index)] = next(reversed(copies))
+    return step
 
 
 def own_steps(pid: int) -> list[int]:
@@ -125,7 +139,14 @@ def restore(pid: int, index: int, step: int, buddy: str | None, optim_rref=None)
 
 
 def _give(pid: int, index: int, step: int) -> dict[str, Any]:
-    got_step, data = current().buddy_snapshots[(pid, index)]
-    if got_step != step:
-        raise RuntimeError(f"the snapshot of stage {index} held here is of step {got_step}, not {step}")
+    served = current()
+    copies = served.buddy_snapshots.get((pid, index), {})
+    if step not in copies:
+        held_here = " and ".join(map(str, copies)) or "none"
+        raise RuntimeError(f"the snapshot of stage {index} held here is of step {held_here}, not {step}")
+    data = copies[step]
+    if served.buddy_pins.get((pid, index)) == step:  # read: the latest alone is kept from now on
+        del served.buddy_pins[(pid, index)]
+        for old in list(copies)[:-1]:
+            del copies[old]
     return data

@@ -340,6 +340,6 @@ def release(pid: int) -> None:
     served = current()
     for key in [k for k in served.hosts if k[0] == pid]:
         served.hosts.pop(key).compute.shutdown(wait=False)
-    for kept in (served.snapshots, served.buddy_snapshots):  # rpcmp/owner/snapshot.py
+    for kept in (served.snapshots, served.buddy_snapshots, served.buddy_pins):  # rpcmp/owner/snapshot.py
         for key in [k for k in kept if k[0] == pid]:
             del kept[key]

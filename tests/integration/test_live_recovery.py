@@ -163,7 +163,10 @@ def test_a_lost_spare_is_named_at_once_and_an_owner_lost_later_ends_the_run(tmp_
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker4", signal.SIGKILL), (noticed, "worker2", signal.SIGKILL)],
                              "--spares", "1")
     assert code == 1, out
-    assert "spare worker4 lost (its connection closed); no spare is left" in out, out
+    # said after the step that saw its connection close; on a busy machine that can come after worker2's loss
+    # too, which then names the silent spare as why it is not replaced
+    assert ("spare worker4 lost (its connection closed); no spare is left" in out
+            or "no spare process is left: the spare worker4 did not answer either" in out), out
     assert "WorkerLostError" in out and "worker2 (stage 1" in out and "recovered:" not in out, out
 
 

@@ -57,6 +57,29 @@ def test_a_snapshot_is_a_copy_that_later_steps_leave_alone_and_its_owner_drops_w
         snapshot.restore(pipe.pid, 1, 3, "master")
 
 
+def test_a_buddy_keeps_the_copy_a_recovery_chose_when_a_later_one_lands_meanwhile(pipe):
+    # the lost owner's last shipment lands after the recovery asked what is held and before the spare reads it
+    _step(pipe)
+    snapshot.take(pipe.pid, 1, _optims(pipe), {0: "master", 1: "master"})
+    current().shipping[pipe.pid].wait()
+    state = pipe.state_dict()
+    assert snapshot.held(pipe.pid, 1) == 1  # the recovery's question: it rolls every stage back to step 1
+    _step(pipe)
+    snapshot.take(pipe.pid, 2, _optims(pipe), {0: "master", 1: "master"})
+    current().shipping[pipe.pid].wait()
+    copy = current().buddy_snapshots[(pipe.pid, 1)][1]
+    names = [copy["prefix"] + k for k in copy["params"]]
+    snapshot.restore(pipe.pid, 1, 1, "master")  # the spare takes step 1's copy, not the one that came after
+    now = pipe.state_dict()
+    assert names and all(torch.equal(now[k], state[k]) for k in names)
+    assert list(current().buddy_snapshots[(pipe.pid, 1)]) == [2]  # read: the latest alone stays
+    with pytest.raises(RuntimeError, match="of step 2, not 1"):
+        snapshot.restore(pipe.pid, 1, 1, "master")
+    snapshot.take(pipe.pid, 3, _optims(pipe), {0: "master", 1: "master"})
+    current().shipping[pipe.pid].wait()
+    assert list(current().buddy_snapshots[(pipe.pid, 0)]) == [3]  # no recovery reading: one copy a stage
+
+
 def test_a_stage_rolls_back_to_its_own_copy_or_its_buddys_with_optimizer_state_by_name(pipe):
     _step(pipe)
     state, optim = pipe.state_dict(), pipe.optimizer_state()
