@@ -134,7 +134,7 @@ class Snapshots:
         self.last = (pipe.pid, step, tuple(pipe.owners))
         self.kept[step] = {"position": (step, *position), "loss_scale": pipe.loss_scale,
                            "scheduler": pipe.scheduler_state() if pipe.scheduler is not None else None}
-        for old in sorted(self.kept)[:-3]:
+        for old in sorted(self.kept)[:-snapshot.MOST]:  # as the owners keep theirs where no forget comes
             del self.kept[old]
 
     def settle(self) -> None:
