@@ -20,7 +20,7 @@ from .network import bound_store
 from .server import process_context
 from ..plan.placement import process_name
 from ..plan.topology import Topology
-from .runtime import free_port, run_rank
+from .runtime import reserve_ports, run_rank
 
 __all__ = ["launch_local"]
 
@@ -57,7 +57,9 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _local_child(job_path, rank, world_size, port, overrides, main, results, parent, started, env):
+def _local_child(job_path, rank, world_size, port, overrides, main, results, parent, started, env, held=None):
+    if held is not None:
+        os.close(held)  # the launcher's rendezvous port, inherited by the fork: the launcher's alone
     _watch_parent(parent)
     _name_process(process_name(rank))
     os.environ.clear()
@@ -106,21 +108,23 @@ def launch_local(job_path: str, nprocs: int, main: Callable[[Job, int], Any], ov
     master_in_process = master_in_process and not _rpc_used_here()  # see [Note: one RPC world per process]
     ctx = process_context(job_path, fork_here=fork_here and master_in_process)
     started = ctx.Queue()
-    port = free_port()
+    held = reserve_ports("127.0.0.1")[0]  # bound until the store takes it over, after the forks
+    port = held.getsockname()[1]
+    forked = held.fileno() if ctx.get_start_method() == "fork" else None  # a child forked here holds it too
     results = None if master_in_process else ctx.Queue()
     first = 1 if master_in_process else 0
     procs = []
     for rank in range(first, nprocs):
         p = ctx.Process(target=_local_child, name=process_name(rank),
                         args=(job_path, rank, nprocs, port, overrides, main,
-                              results if rank == 0 else None, os.getpid(), started, dict(os.environ)))
+                              results if rank == 0 else None, os.getpid(), started, dict(os.environ), forked))
         p.start()
         procs.append(p)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         # The rendezvous store listens on loopback only; every rank joins it as a client (and waits for it).
         # Made after the forks: its thread must not run in this process when a rank forks from it.
-        store = bound_store("127.0.0.1", port)  # noqa: F841 - lives as long as the run
+        store = bound_store("127.0.0.1", port, sock=held)  # noqa: F841 - lives as long as the run
         _wait_started(started, procs, deadline)
         if master_in_process:
             result = _master_here(job_path, nprocs, port, main, overrides, procs, deadline, timeout)

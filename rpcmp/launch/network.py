@@ -89,24 +89,26 @@ def preflight(rank: int, nodes: int, connect_timeout: float | None = None) -> No
         port_free("" if not is_loopback(addr) else "127.0.0.1", int(port))
 
 
-def bound_store(host: str, port: int):
+def bound_store(host: str, port: int, sock: socket.socket | None = None):
     """A TCPStore server listening on ``host`` only, for ranks that join it as clients.
 
     A TCPStore server started by rank 0 listens on every interface. rpcmp hosts the
     store itself on a socket bound to the chosen address, and every rank joins it as
     a client, as ranks join torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``).
     The store owns the listening socket (closing it under a running store aborts the
-    process); keep the store alive as long as the job.
+    process); keep the store alive as long as the job. ``sock``: the port already bound
+    (held since it was picked: [Note: ports below the ephemeral range]).
     """
     import torch.distributed as dist
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise NetworkError(f"cannot listen on {host}:{port} ({exc.strerror}): is the port in use, or {host} "
-                           f"not an address of this machine?") from None
+    if sock is None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            raise NetworkError(f"cannot listen on {host}:{port} ({exc.strerror}): is the port in use, or {host} "
+                               f"not an address of this machine?") from None
     sock.listen(128)
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
                          use_libuv=False)

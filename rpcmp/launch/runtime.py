@@ -32,7 +32,7 @@ from .groups import join_stage_groups, share_nodes
 from ..core.served import serve
 from .ending import leave_world, serve_until_told
 
-__all__ = ["run_rank", "free_port", "default_threads", "usable_cpus"]
+__all__ = ["run_rank", "free_port", "reserve_ports", "default_threads", "usable_cpus"]
 
 
 
@@ -95,10 +95,55 @@ def _cgroup_quota(root: str) -> float | None:
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port free on ``host`` (with the ``count - 1`` after it), for a server that binds it later."""
+    socks = reserve_ports(host, count)
+    port = socks[0].getsockname()[1]
+    for s in socks:
+        s.close()
+    return port
+
+
+def reserve_ports(host: str = "127.0.0.1", count: int = 1) -> list[socket.socket]:
+    """``count`` consecutive ports bound on ``host``, held until the caller passes them on.
+
+    [Note: ports below the ephemeral range]
+    The kernel gives every ``bind(port 0)`` (a TensorPipe listener, a Gloo pair) and every outgoing
+    connection a port from its ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``). A port
+    picked there and bound seconds later can meanwhile become another process's listener: the
+    rendezvous then fails with "Address already in use", and ranks that join it as clients connect
+    to that stranger (a TensorPipe listener hit so closed itself: its run failed with ECONNREFUSED).
+    Ports are picked at random below that range, where the kernel never hands one out by itself,
+    and held bound until the server takes them over.
+    """
+    import random
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    if low < 2048 + count:
+        return _bound(host, 0, 1)  # no room below it: the kernel's pick (count 1 only)
+    for _ in range(200):
+        port = random.randint(max(1024, low // 2), low - count)
+        try:
+            return _bound(host, port, count)
+        except OSError:  # taken
+            continue
+    raise OSError(f"no {count} free consecutive port(s) on {host} below {low}")
+
+
+def _bound(host: str, port: int, count: int) -> list[socket.socket]:
+    socks = []
+    try:
+        for i in range(count):
+            s = socket.socket()  # no SO_REUSEADDR: nobody else binds it while held
+            socks.append(s)
+            s.bind((host, port + i))
+    except OSError:
+        for s in socks:
+            s.close()
+        raise
+    return socks
 
 
 def _quiet() -> None:

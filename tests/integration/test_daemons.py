@@ -9,31 +9,16 @@ import time
 import pytest
 
 from helpers import fit_steps, job_path
+from rpcmp.launch.runtime import free_port as rpcmp_free_port
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 
 
 def free_port() -> int:
-    """A port free together with the next one, below the kernel's ephemeral range: the master takes PORT for RPC
-    and PORT+1 for job offers, seconds after this picks them (the daemons start first). A port from the
-    ephemeral range (what binding port 0 gives) can meanwhile become the source port of another test's
-    connection: seen once, "port ... is in use"."""
-    import random
-    import socket
-    try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    while True:
-        port = random.randint(max(1024, low // 2), low - 2)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:  # taken
-            continue
+    """A port free together with the next one: the master takes PORT for RPC and PORT+1 for job offers,
+    seconds after this picks them (the daemons start first)."""
+    return rpcmp_free_port(count=2)
 
 
 def _master(port, token_file, *args, workers=2, **kw):

@@ -83,9 +83,10 @@ def _master(env, *args, timeout=60):
 
 
 def _closed_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nobody listens on; below the ephemeral range, so no other test's listener takes it meanwhile (this test's
+    connection attempts would reach that listener and end it)."""
+    from rpcmp.launch.runtime import free_port
+    return free_port()
 
 
 @pytest.mark.timeout(60)

@@ -76,3 +76,50 @@ def test_with_the_native_log_asked_for_nothing_is_muted(capfd, monkeypatch):
     with ending.native_log_muted():
         os.write(2, b"[W tensorpipe_agent.cpp] pipe closed\n")
     assert "pipe closed" in capfd.readouterr().err
+
+
+def _taken(port: int) -> bool:
+    import socket
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def test_a_picked_port_lies_below_the_kernel_s_ephemeral_range_and_stays_taken_until_handed_on():
+    """[Note: ports below the ephemeral range]: nothing the kernel hands out by itself lands on it."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    socks = runtime.reserve_ports("127.0.0.1", 2)
+    ports = [s.getsockname()[1] for s in socks]
+    assert ports[1] == ports[0] + 1 and ports[1] < low
+    assert all(_taken(p) for p in ports)  # held: not even a SO_REUSEADDR bind gets it
+    for s in socks:
+        s.close()
+    assert not any(_taken(p) for p in ports)
+    assert runtime.free_port(count=2) < low
+
+
+def test_the_local_launcher_holds_its_rendezvous_port_until_the_store_listens_on_it(monkeypatch):
+    """The port is picked before the ranks fork and listened on after: held all the while, so no other process's
+    listener takes it meanwhile (that made ranks of one run connect to a listener of another)."""
+    import pytest
+    from rpcmp.launch import local
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def bound_store(host, port, sock=None):
+        seen.append(_taken(port))
+        raise Stop
+
+    monkeypatch.setattr(local, "bound_store", bound_store)
+    monkeypatch.setattr(local, "_rpc_used_here", lambda: False)
+    job = os.path.join(os.path.dirname(__file__), "..", "..", "jobs", "mlp.py")
+    with pytest.raises(Stop):  # one process: the master here, nothing forked
+        local.launch_local(job, 1, lambda job, world: None)
+    assert seen == [True]
