@@ -157,8 +157,8 @@ class DDPEngine:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def evaluate(self, dataset) -> float:
-        """The metric over the whole held-out set: each rank scores every world-th sample."""
+    def evaluate(self, dataset, between_epochs: bool = False) -> float:
+        """The metric over the whole held-out set: each rank scores every world-th sample (nothing to roll back)."""
         self.model.eval()
         mine = list(range(self.rank, len(dataset), self.world))
         acc = torch.zeros(2, dtype=torch.float64)

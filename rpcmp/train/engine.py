@@ -44,7 +44,7 @@ class Engine(Protocol):
     def epoch_loader(self, dataset, epoch: int, first_batch: int): ...
     def train_step(self, group: list) -> tuple[float, int]: ...  # raises RolledBack after a recovery
     def after_step(self, step: int, position: tuple[int, int], first: bool = False) -> str | None: ...
-    def evaluate(self, dataset) -> float: ...
+    def evaluate(self, dataset, between_epochs: bool = False) -> float: ...  # between_epochs: may raise RolledBack
     def train(self) -> None: ...
     def state_meta(self) -> dict[str, torch.Tensor]: ...
     def write_state(self, directory: str, step: int, keep_last: int, run: str) -> dict: ...
@@ -225,21 +225,29 @@ class PipelineEngine:
             return f" (the snapshot after the move did not land: {reason(exc)})"
         return ""
 
-    def evaluate(self, dataset) -> float:
+    def evaluate(self, dataset, between_epochs: bool = False) -> float:
         """The held-out metric. With spares, an owner lost during the evaluation is replaced as in a step; an
         evaluation changes nothing of the model, so from a live copy, or from a snapshot of this very step (taken
-        first when the last one is older), no step is lost and the evaluation runs again."""
+        first when the last one is older, and landed on every buddy before the evaluation starts), no step is lost
+        and the evaluation runs again. Where the stages went back to an older snapshot (an owner lost while this
+        one travelled): ``between_epochs`` (the trainer trains those steps again), raise the RolledBack; else the
+        run ends with the error."""
         recovery = self.snapshots or self.live
         if recovery is None:
             return evaluate(self.pipe, dataset, self.job)
         if self.snapshots is not None and self.at[0] not in self.snapshots.kept:
-            self.snapshots.snap(self.at[0], self.at[1:])
+            try:
+                self._landed_snapshot()
+            except Exception:  # noqa: BLE001 - an owner lost meanwhile: the evaluation fails and recovers below
+                pass
         recovery.settle()
         try:
             return evaluate(self.pipe, dataset, self.job)
         except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
             back = recovery.recover(exc, self.at, in_step=False, redo="the held-out evaluation runs again")
-            if back.position[0] != self.at[0]:  # from an older checkpoint: steps to train again, not here
+            if back.position[0] != self.at[0]:  # from an older snapshot or checkpoint: steps to train again
+                if between_epochs:
+                    raise back from None
                 raise exc from None
             print(back.line, flush=True)
             return evaluate(self.pipe, dataset, self.job)

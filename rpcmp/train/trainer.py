@@ -107,8 +107,12 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
                 if step >= total or stop.signum is not None:  # see [Note: stopping a run]
                     break
             if not rolled:
-                heldout_metric = (engine.evaluate(heldout) if position[0] > epoch and step < total and before is not None
-                                  and stop.signum is None else None)
+                try:
+                    heldout_metric = (engine.evaluate(heldout, between_epochs=True) if position[0] > epoch and step < total
+                                      and before is not None and stop.signum is None else None)
+                except RolledBack as back:  # an owner lost in it, replaced from an older snapshot: train again from it
+                    (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
+            if not rolled:
                 if heldout_metric is not None:
                     progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {heldout_metric:.4f}")
                 log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),

@@ -42,11 +42,11 @@ def _process(tag: str, name: str) -> int | None:
 
 
 def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three", steps=STEPS,
-                 env: dict | None = None):
+                 env: dict | None = None, local: int = 5):
     """Run the job (``env``: added to its environment); when the metrics show step k (or once the file k names
     exists), send ``sig`` to process ``name``, for each (k, name, sig)."""
     tag = uuid.uuid4().hex
-    proc = subprocess.Popen(_command(folder, *extra, job=job, steps=steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_command(folder, *extra, job=job, steps=steps, local=local), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, **(env or {}), "RPCMP_TEST_TAG": tag, "COLUMNS": "200"},
                             start_new_session=True)
     try:
@@ -243,6 +243,31 @@ def test_an_owner_lost_while_its_copy_travels_is_replaced_from_the_step_its_budd
     got = load_checkpoint(str(tmp_path / "run"))
     assert got["step"] == STEPS
     assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
+def test_an_owner_lost_while_the_epoch_end_snapshot_lands_is_replaced_from_the_one_before_and_training_goes_on(tmp_path):
+    """The held-out evaluation at the end of epoch 1 (step 32) snapshots that step first; worker1 holds its keep of
+    worker2's copy until worker2 has been SIGKILLed and training has gone on, and stage 0 sleeps in the evaluation's
+    first forward (tests/jobs/slow_eval_keep.py). The spare takes stage 1 from the snapshot of step 30, steps 31 and
+    32 train again, and the run ends as an undisturbed one. Before, the evaluation ran beside the snapshot's
+    shipment, the kill landed in it, and a recovery in an evaluation from an older snapshot ended the run."""
+    metrics, let_go = str(tmp_path / "run") + ".jsonl", tmp_path / "let-go"
+    common = ("--snapshot-every", "5", "--epochs", "2")
+    code, out = _run_and_hit(tmp_path / "run", [
+        (lambda: metric_steps(metrics) >= 32 and time.sleep(1.0) is None, "worker2", signal.SIGKILL),
+        (lambda: metric_steps(metrics) >= 35 and let_go.touch() is None, "worker1", 0)],  # step 33 after the rollback
+        "--spares", "1", *common, job="slow_eval_keep", steps=40, local=4,
+        env={"SLOW_KEEP_UNTIL": str(let_go), "SLOW_KEEP_ON": "worker1", "SLOW_KEEP_AT": "32", "SLOW_EVAL_S": "3"})
+    assert code == 0, out
+    assert out.count("recovered: worker2 was lost") == 1 and "every stage rolled back to step 30" in out, out
+    assert "epoch 1: held-out -MSE" in out, out
+    clean = subprocess.run(_command(tmp_path / "clean", *common, job="slow_eval_keep", steps=40, local=3),
+                           capture_output=True, text=True, timeout=120)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(tmp_path / "clean"))
+    assert got["step"] == want["step"] == 40
+    assert_close_f32(got["model"], want["model"])
 
 
 @pytest.mark.timeout(300)
