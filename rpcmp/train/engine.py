@@ -88,8 +88,7 @@ class PipelineEngine:
         self.live = LiveCopies(pipe, self.spares) if self.spares and self.replicated else None
         self.at = (0, 0, 0)  # (step, epoch, batch) of the next step: where a live-copy recovery goes on from
         self.said: list[str] = []  # a recovery after which the failed step stood, until after_step says it
-        # a re-cut's snapshot before the old parts go: see [Note: a re-cut and its snapshot] in rpcmp/master/recut.py
-        self.recut_hook = self._landed_snapshot if self.snapshots is not None else None
+        self.recut_hook = self._landed_snapshot if self.snapshots is not None else None  # [Note: a re-cut and its snapshot]
         self.rebalancer = Rebalancer(pipe, before_commit=self.recut_hook) if job.rebalance else None
         self.oneoff = None  # `rpcmp rebalance`: (its Rebalancer, request number, nonce) until it has decided
 
@@ -142,8 +141,7 @@ class PipelineEngine:
         return "\n".join(notes + self._spares_lost()) or None
 
     def _landed_snapshot(self) -> None:
-        """A snapshot of the stages where they are now, landed on every buddy: a re-cut's before the old parts go
-        (see [Note: a re-cut and its snapshot] in rpcmp/master/recut.py), a drain's before the rank leaves."""
+        """A snapshot of the stages where they are now, landed on every buddy (a re-cut's, a drain's, an evaluation's)."""
         self.snapshots.snap(self.at[0], self.at[1:], landed=True)
 
     def _spares_lost(self) -> list[str]:
@@ -208,38 +206,34 @@ class PipelineEngine:
                 return f"drain of {name} failed: {exc}"
             what = f"replica {r} stage" if self.replicated else "stage"
             text = (f"drained {name}: {what} {', '.join(str(k) for k in held)} moved to {spare} in {took:.2f} s; "
-                    f"{name} leaves the run{self._drain_snapshot()}")
+                    f"{name} leaves the run{self._landed_or_why()}")
         current().lost.add(name)
         rpc.rpc_sync(name, owner_move.leave_soon, args=(0,))
         control.answer(number, nonce, True, text)
         return text
 
-    def _drain_snapshot(self) -> str:
-        """A drain's snapshot of the stages where they are now, landed before the drained rank leaves (see
-        [Note: draining a rank]); what to add to the drain's line when it could not land."""
+    def _landed_or_why(self) -> str:
+        """:meth:`_landed_snapshot`: a drain's before the drained rank leaves (see [Note: draining a rank]), an
+        evaluation's before it starts; what to add to a drain's line when it could not land."""
         if self.snapshots is None or not self.spares:  # no spare left: no loss can be replaced, nothing to cover
             return ""
         try:
             self._landed_snapshot()
-        except Exception as exc:  # noqa: BLE001 - an owner lost meanwhile: the next step fails and says it
+        except Exception as exc:  # noqa: BLE001 - said; the next call to the lost owner fails and recovers
             return f" (the snapshot after the move did not land: {reason(exc)})"
         return ""
 
     def evaluate(self, dataset, between_epochs: bool = False) -> float:
         """The held-out metric. With spares, an owner lost during the evaluation is replaced as in a step; an
         evaluation changes nothing of the model, so from a live copy, or from a snapshot of this very step (taken
-        first when the last one is older, and landed on every buddy before the evaluation starts), no step is lost
-        and the evaluation runs again. Where the stages went back to an older snapshot (an owner lost while this
-        one travelled): ``between_epochs`` (the trainer trains those steps again), raise the RolledBack; else the
-        run ends with the error."""
+        and landed first when the last one is older), no step is lost and the evaluation runs again. Where the
+        stages went back to an older one (an owner lost as this one landed): ``between_epochs``, raise the
+        RolledBack (the trainer trains those steps again); else the run ends with the error."""
         recovery = self.snapshots or self.live
         if recovery is None:
             return evaluate(self.pipe, dataset, self.job)
         if self.snapshots is not None and self.at[0] not in self.snapshots.kept:
-            try:
-                self._landed_snapshot()
-            except Exception:  # noqa: BLE001 - an owner lost meanwhile: the evaluation fails and recovers below
-                pass
+            self._landed_or_why()
         recovery.settle()
         try:
             return evaluate(self.pipe, dataset, self.job)

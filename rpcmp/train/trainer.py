@@ -106,17 +106,11 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
                         break
                 if step >= total or stop.signum is not None:  # see [Note: stopping a run]
                     break
-            if not rolled:
-                try:
-                    heldout_metric = (engine.evaluate(heldout, between_epochs=True) if position[0] > epoch and step < total
-                                      and before is not None and stop.signum is None else None)
-                except RolledBack as back:  # an owner lost in it, replaced from an older snapshot: train again from it
-                    (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
-            if not rolled:
-                if heldout_metric is not None:
-                    progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {heldout_metric:.4f}")
-                log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=samples / (time.perf_counter() - start),
-                          heldout_metric=heldout_metric, **engine.epoch_metrics())
+            wanted = position[0] > epoch and step < total and before is not None and stop.signum is None
+            back = None if rolled else _epoch_end(job, engine, progress, log, heldout if wanted else None, epoch, step,
+                                                  samples / (time.perf_counter() - start))
+            if back is not None:  # an owner lost in the evaluation, replaced from an older snapshot: train again
+                (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
             epoch, first_batch = position
             if not rolled and job.checkpoint_dir and not job.checkpoint_every and saved != step:
                 saved, step, epoch, first_batch = _save_or_roll_back(job, engine, run, progress, task, losses, step, epoch,
@@ -132,6 +126,20 @@ def _this_run(run: str | None, engine) -> str:
     if served.keep_run is not None and engine.is_main:
         served.keep_run(run)  # a restarted attempt continues this run: see [Note: a restart resumes by itself]
     return run
+
+
+def _epoch_end(job, engine, progress, log, heldout, epoch: int, step: int, rate: float) -> RolledBack | None:
+    """An epoch's end: the held-out metric (where ``heldout`` is given) and the epoch's record; or the RolledBack
+    of a recovery in the evaluation that went back to an older snapshot (see the engine's ``evaluate``)."""
+    try:
+        metric = engine.evaluate(heldout, between_epochs=True) if heldout is not None else None
+    except RolledBack as back:
+        return back
+    if metric is not None:
+        progress.console.print(f"epoch {epoch + 1}: held-out {job.metric_name} {metric:.4f}")
+    log.write(kind="epoch", step=step, epoch=epoch + 1, samples_per_s=rate, heldout_metric=metric,
+              **engine.epoch_metrics())
+    return None
 
 
 def _rolled_back(back, progress, task, losses: list, step: int) -> tuple[int, tuple[int, int]]:
