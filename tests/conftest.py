@@ -23,9 +23,9 @@ def _session_tmpdir(tmp_path_factory):
     tempfile.tempdir = None
 
 
-# Every model library a test job uses, imported once by the fork server local ranks start from.
+# Every model library a test job uses, and what tracing imports, imported once by the fork server local ranks start from.
 rpcmp.launch.server.preload("segmentation_models_pytorch", "transformers.models.gpt2.modeling_gpt2",
-                    "transformers.models.llama.modeling_llama")
+                            "transformers.models.llama.modeling_llama", *rpcmp.launch.server.TRACING)
 
 
 @pytest.fixture(autouse=True)

@@ -137,8 +137,8 @@ def rebalance(master, token_file, timeout):
 @click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE).")
 @click.option("--preload", metavar="MODULES", default=None,
               help="Comma-separated model libraries the daemon imports once, before the first job (default: every one "
-                   "of segmentation_models_pytorch, transformers, torchvision and timm that is installed; '' for none: "
-                   "a job then imports its own, a few seconds at its start).")
+                   "of segmentation_models_pytorch, transformers, torchvision and timm that is installed, and what "
+                   "torch.export's tracing imports; '' for none: a job then imports its own, a few seconds at its start).")
 def worker(master, rank, token_file, iface, preload):
     """Run a worker daemon: serve jobs from MASTER one after another, until SIGTERM."""
     from ..launch.network import select_interface

@@ -19,9 +19,11 @@ __all__ = ["process_context", "preload", "start_server"]
 _HEAVY = ("segmentation_models_pytorch", "transformers", "torchvision", "timm")
 _EXTRA: list[str] = []
 # What a process's first torch.export trace imports (dynamo, AOT autograd, pipelining's tracer; sympy and networkx
-# through them), imported once before the forks rather than by every rank that traces: a rank forked from this
-# process loaded tests/jobs/hf_gpt2.py and traced it in 1.0 + 2.1 s with them, 1.6 + 2.8 s without.
-_TRACING = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace", "torch.distributed.pipelining")
+# through them): imported once before the forks for a job that traces (a SplitAt), by a daemon with its default
+# preload, and by a server told to (a test suite), rather than by every rank that traces: a rank forked from a process
+# that had them loaded tests/jobs/hf_gpt2.py and traced it in 1.0 + 2.1 s, without them in 1.6 + 2.8 s. A server
+# that runs no traced job would only pay their 1.6 s of imports.
+TRACING = ("torch._dynamo", "torch._functorch.aot_autograd", "torch.export._trace", "torch.distributed.pipelining")
 
 
 def preload(*modules: str) -> None:
@@ -65,9 +67,9 @@ def process_context(job_path: str | None = None, fork_here: bool = False) -> Any
                "torch.export", *_rpcmp_modules(), *_EXTRA]
     if job_path is not None:
         modules += [m for m in _HEAVY if m in _imported_by(job_path)]
+    if _traced(job_path):
+        modules += TRACING
     here = fork_here and threading.active_count() == 1
-    if not here or _traced(job_path):  # a server serves many jobs; a command, the one it runs
-        modules += _TRACING
     modules = list(dict.fromkeys(modules))
     if here:
         for name in modules:
@@ -88,7 +90,7 @@ def start_server(job_path: str | None = None, every_library: bool = False, libra
     from multiprocessing import forkserver
     if os.environ.get("RPCMP_START_METHOD", "forkserver") != "forkserver":
         return
-    preload(*(_HEAVY if every_library else ()), *libraries)
+    preload(*(_HEAVY + TRACING if every_library else ()), *libraries)
     process_context(job_path)
     forkserver.ensure_running()
 
