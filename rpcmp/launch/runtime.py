@@ -113,23 +113,27 @@ def reserve_ports(host: str = "127.0.0.1", count: int = 1) -> list[socket.socket
     picked there and bound seconds later can meanwhile become another process's listener: the
     rendezvous then fails with "Address already in use", and ranks that join it as clients connect
     to that stranger (a TensorPipe listener hit so closed itself: its run failed with ECONNREFUSED).
-    Ports are picked at random below that range, where the kernel never hands one out by itself,
-    and held bound until the server takes them over.
+    Ports are picked at random below that range (or above it), where the kernel never hands one out
+    by itself, and held bound until the server takes them over.
     """
     import random
     try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    if low < 2048 + count:
-        return _bound(host, 0, 1)  # no room below it: the kernel's pick (count 1 only)
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    # below the range (from half its start), else above it
+    spans = [(a, b) for a, b in ((max(1024, low // 2), low - count), (high + 1, 65536 - count)) if a <= b]
+    if not spans:  # the range is the whole port space: the kernel's pick, one port
+        if count == 1:
+            return _bound(host, 0, 1)
+        raise OSError(f"no room outside the ephemeral range {low}-{high} for {count} consecutive ports")
     for _ in range(200):
-        port = random.randint(max(1024, low // 2), low - count)
+        port = random.randint(*spans[0])
         try:
             return _bound(host, port, count)
         except OSError:  # taken
             continue
-    raise OSError(f"no {count} free consecutive port(s) on {host} below {low}")
+    raise OSError(f"no {count} free consecutive port(s) on {host} outside the ephemeral range {low}-{high}")
 
 
 def _bound(host: str, port: int, count: int) -> list[socket.socket]:
