@@ -43,4 +43,5 @@ def main(job_file, overrides):
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli.leave import program
+    program(main)

@@ -63,7 +63,7 @@ def test_every_module_imports(path):
 
 def test_the_documented_names_import():
     from rpcmp import Job, Pipeline, Split, SplitAt, load_job  # noqa: F401
-    from rpcmp.cli import main  # noqa: F401  (the `rpcmp` console script)
+    from rpcmp.cli import console, main  # noqa: F401  (the `rpcmp` console script, its click group)
     assert importlib.util.find_spec("rpcmp.master.__main__") is not None  # python -m rpcmp.master
     assert importlib.util.find_spec("rpcmp.cli.__main__") is not None  # python -m rpcmp.cli (launch/*.sh)
     for name in rpcmp.__all__:
