@@ -1,7 +1,12 @@
-"""Toy models and the one helper every integration test uses to start real processes."""
+"""Toy models, the one helper every integration test uses to start real processes, and the `rpcmp` command
+line started as a real process from the suite's warm fork server."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import tempfile
 
 import torch
 import torch.utils._pytree as pytree
@@ -10,6 +15,7 @@ from torch import nn
 from rpcmp.job import load_job
 
 from rpcmp.launch.local import launch_local
+from rpcmp.launch.server import process_context
 
 JOBS = os.path.join(os.path.dirname(__file__), "jobs")
 
@@ -91,3 +97,106 @@ class Control:
 
     def answer(self, number, nonce, ok, message):
         self.answers.append((number, ok, message))
+
+
+class Command:
+    """``rpcmp ARGS`` in a process and a session of its own, as ``subprocess.Popen([rpcmp, *ARGS], stdout=PIPE,
+    stderr=PIPE (or STDOUT with ``merged``), text=True, start_new_session=True, env=env)`` gives it: ``pid``,
+    ``poll``, ``wait``, ``communicate``, ``returncode``, its process group killed by ``os.killpg(pid)``.
+
+    The process is forked from the suite's fork server (conftest.py), which has torch, rpcmp, the model libraries
+    and tracing's imports loaded, and runs the console script's own function (``rpcmp.cli.console``): the command
+    line, its launch and its ranks are what a user's ``rpcmp`` runs, without a fresh interpreter's 3-5 s of CPU of
+    imports. The console script itself (its interpreter, its entry point) is what test_launch.py, test_predict.py,
+    test_daemons.py, test_drain.py and the Ctrl-C test of test_checkpoint_resume.py start."""
+
+    def __init__(self, *args: str, env: dict | None = None, merged: bool = False):
+        folder = tempfile.mkdtemp(prefix="rpcmp-command-")
+        self._out = os.path.join(folder, "stdout")
+        self._err = self._out if merged else os.path.join(folder, "stderr")
+        self._merged = merged
+        environ = dict(os.environ if env is None else env)
+        self._process = process_context().Process(target=_command_main, name="rpcmp-command",
+                                                  args=([str(a) for a in args], environ, os.getcwd(), self._out, self._err))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["rpcmp"], timeout)
+        return self._process.exitcode
+
+    def output(self) -> str:
+        """Standard output so far (with the errors too where ``merged``)."""
+        return _read(self._out)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        self.wait(timeout)
+        return self.output(), None if self._merged else _read(self._err)
+
+    def kill(self) -> None:
+        """Kill the command and every process of its session (its ranks)."""
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._process.join(30)
+
+
+def _read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+def _command_main(args, environ, cwd, out, err) -> None:
+    os.setsid()
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), fd)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.argv = [os.path.join(os.path.dirname(sys.executable), "rpcmp"), *args]
+    from rpcmp.cli import console
+    console()
+
+
+def run_command(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``subprocess.run([rpcmp, *args], capture_output=True, text=True, timeout=timeout, env=env)`` through
+    :class:`Command`; a command that outlives ``timeout`` is killed and raises ``subprocess.TimeoutExpired``."""
+    command = Command(*args, env=env)
+    try:
+        out, err = command.communicate(timeout)
+    finally:
+        command.kill()
+    return subprocess.CompletedProcess(["rpcmp", *args], command.returncode, out, err)
+
+
+def descendant(root: int, comm: str) -> int | None:
+    """The pid of a process named ``comm`` (a local rank names itself rpcmp-NAME) under process ``root``."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        parents[int(pid)] = (name, int(rest[1]))
+    for pid, (name, _) in parents.items():
+        if name != comm:
+            continue
+        up = pid
+        while up in parents and up > 1:
+            up = parents[up][1]
+            if up == root:
+                return pid
+    return None
+

@@ -79,13 +79,10 @@ def test_checkpoint_resumes_in_the_other_mode(tmp_path, first, then):
 @pytest.mark.timeout(240)
 def test_ddp_from_the_command_line(tmp_path):
     import os
-    import subprocess
-    import sys
-    from helpers import job_path
+    from helpers import job_path, run_command
     # a job of 3 stages on 2 ranks: DDP holds the whole model on every rank, no stage is placed
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rpcmp"), "run", job_path("three"),
-                           "--local", "2", "--mode", "ddp", "--max-steps", "20", "--precision", "bf16"],
-                          capture_output=True, text=True, timeout=200, env={**os.environ, "COLUMNS": "160"})
+    proc = run_command("run", job_path("three"), "--local", "2", "--mode", "ddp", "--max-steps", "20", "--precision",
+                       "bf16", timeout=200, env={**os.environ, "COLUMNS": "160"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "DDP on 2 ranks (gloo), 8 samples per rank, accumulate 1, bf16" in proc.stdout
     assert re.search(r"steps 20\s+loss", proc.stdout)

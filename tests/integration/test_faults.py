@@ -5,17 +5,15 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from helpers import job_path
+from helpers import Command, job_path, run_command
 from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
-BIN = os.path.dirname(sys.executable)
 
 
 def _workers(session):
@@ -37,13 +35,11 @@ def _alive(pid):
 @contextlib.contextmanager
 def _rpcmp_run(*args, **env):
     """``rpcmp run ARGS`` in a session of its own, with ``env`` added; every process of it killed at the end."""
-    proc = subprocess.Popen([os.path.join(BIN, "rpcmp"), "run", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, env={**os.environ, **env})
+    proc = Command("run", *args, env={**os.environ, **env})
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
 
 
 def _kill_worker2(proc, timeout):
@@ -67,10 +63,8 @@ MODES = {"pipeline": (["--local", "3"], 2, "worker1 (stage 0 layers[0:3])"),
 def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
     launch, nworkers, named = MODES[mode]
     ckpt_dir = str(tmp_path / "ckpt")
-    proc = subprocess.Popen(
-        [os.path.join(BIN, "rpcmp"), "run", job_path("mlp"), *launch, "--epochs", "200",
-         "--checkpoint-dir", ckpt_dir, "--checkpoint-every", "40", "--hang-timeout", "5"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = Command("run", job_path("mlp"), *launch, "--epochs", "200", "--checkpoint-dir", ckpt_dir, "--checkpoint-every",
+                   "40", "--hang-timeout", "5")
     try:
         deadline = time.monotonic() + 120
         while latest_checkpoint(ckpt_dir) is None:
@@ -84,8 +78,7 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
         _, err = proc.communicate(timeout=bound + 30)
         waited = time.monotonic() - start
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
     # a dead worker is the master's failed call to report (exit 1); a frozen one, the watchdog's (exit 3)
     assert proc.returncode == (1 if sig == signal.SIGKILL else 3), err
     assert waited < bound, f"took {waited:.1f}s"
@@ -147,8 +140,7 @@ def test_a_worker_lost_during_held_out_evaluation_is_named_too(mode):
     # worker1 ends itself in the evaluation at the end of epoch 1 (step 32), between training steps.
     launch, _, named = MODES[mode]
     named = named.replace("layers[0:3]", "layers[0:4]")
-    proc = subprocess.run([os.path.join(BIN, "rpcmp"), "run", job_path("dies_in_eval"), *launch],
-                          capture_output=True, text=True, timeout=90)
+    proc = run_command("run", job_path("dies_in_eval"), *launch, timeout=90)
     assert proc.returncode != 0
     assert "WorkerLostError" in proc.stderr and named in proc.stderr and "at step 32" in proc.stderr, proc.stderr
 
@@ -156,16 +148,14 @@ def test_a_worker_lost_during_held_out_evaluation_is_named_too(mode):
 @pytest.mark.timeout(120)
 def test_a_worker_lost_in_the_final_evaluation_or_in_split_prediction_is_named(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    rpcmp = os.path.join(BIN, "rpcmp")
     # 4 steps, the checkpoint at the end, then the final held-out evaluation loses worker1
-    train = subprocess.run([rpcmp, "run", job_path("dies_in_eval"), "--local", "3", "--max-steps", "4",
-                            "--checkpoint-dir", ckpt], capture_output=True, text=True, timeout=90)
+    train = run_command("run", job_path("dies_in_eval"), "--local", "3", "--max-steps", "4", "--checkpoint-dir", ckpt,
+                        timeout=90)
     assert train.returncode != 0
     assert "WorkerLostError: at step 4: worker1 (stage 0 layers[0:4])" in train.stderr, train.stderr
     assert "The last checkpoint is" in train.stderr and load_checkpoint(ckpt)["step"] == 4
-    predict = subprocess.run([rpcmp, "predict", job_path("dies_in_eval"), "-c", ckpt, "--local", "3",
-                              "--out", str(tmp_path / "pred")], capture_output=True, text=True, timeout=90,
-                             env={**os.environ, "DIE_UNTRAINED": "1"})
+    predict = run_command("predict", job_path("dies_in_eval"), "-c", ckpt, "--local", "3", "--out", str(tmp_path / "pred"),
+                          timeout=90, env={**os.environ, "DIE_UNTRAINED": "1"})
     assert predict.returncode != 0
     assert "error: WorkerLostError: predicting with " in predict.stderr, predict.stderr  # not a traceback
     assert "worker1 (stage 0 layers[0:4]) stopped answering" in predict.stderr and "--resume" not in predict.stderr
@@ -173,8 +163,7 @@ def test_a_worker_lost_in_the_final_evaluation_or_in_split_prediction_is_named(t
 
 @pytest.mark.timeout(120)
 def test_a_worker_lost_while_its_stage_is_built_is_named():
-    proc = subprocess.run([os.path.join(BIN, "rpcmp"), "run", job_path("dies_in_eval"), "--local", "3"],
-                          capture_output=True, text=True, timeout=90, env={**os.environ, "DIE_AT_BUILD": "1"})
+    proc = run_command("run", job_path("dies_in_eval"), "--local", "3", timeout=90, env={**os.environ, "DIE_AT_BUILD": "1"})
     assert proc.returncode != 0
     assert "error: WorkerLostError: before the first step: worker1 (stage 0 layers[0:4]) stopped answering" \
         in proc.stderr, proc.stderr
@@ -186,12 +175,10 @@ def test_with_a_spare_a_worker_lost_during_held_out_evaluation_is_replaced_and_t
     """worker1 ends itself in the evaluation at the end of epoch 1: the spare takes its stage from a snapshot
     of that very step (taken before the evaluation), the evaluation runs again, and the run ends as one where
     nobody died. Without snapshots (--snapshot-every 0) the last checkpoint is older: the run ends as before."""
-    rpcmp = os.path.join(BIN, "rpcmp")
-
     def run(folder, **env):
-        return subprocess.run([rpcmp, "run", job_path("dies_in_eval"), "--local", "4", "--spares", "1", "--max-steps",
-                               "40", "--checkpoint-dir", str(tmp_path / folder), "--snapshot-every", snapshots],
-                              capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "200", **env})
+        return run_command("run", job_path("dies_in_eval"), "--local", "4", "--spares", "1", "--max-steps", "40",
+                           "--checkpoint-dir", str(tmp_path / folder), "--snapshot-every", snapshots, timeout=150,
+                           env={**os.environ, "COLUMNS": "200", **env})
     hit = run("hit")
     if snapshots == "0":
         assert hit.returncode != 0 and "WorkerLostError" in hit.stderr and "at step 32" in hit.stderr, hit.stderr

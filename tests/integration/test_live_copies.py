@@ -5,12 +5,11 @@ import json
 import os
 import random
 import signal
-import subprocess
 
 import pytest
 import torch
 
-from helpers import assert_close_f32
+from helpers import assert_close_f32, run_command
 from rpcmp.core.checkpoint import load_checkpoint
 from test_live_recovery import STEPS, _command, _run_and_hit
 
@@ -22,8 +21,7 @@ REPLICATED = ("--local", "6", "--spares", "1", "--max-steps", "40")
 @pytest.fixture(scope="module")
 def replicated_clean(tmp_path_factory):
     folder = tmp_path_factory.mktemp("replicated") / "clean"
-    done = subprocess.run(_command(folder, *REPLICATED, job="replicated_dies"), capture_output=True, text=True,
-                          timeout=240)
+    done = run_command(*_command(folder, *REPLICATED, job="replicated_dies"), timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     return folder
 
@@ -77,8 +75,7 @@ def test_a_copy_that_fails_before_the_copies_meet_leaves_no_other_copy_counting_
     had taken the step: the step 'stood' with nobody having taken it, one step skipped, the model off by it,
     and nothing said."""
     grid = ["--local", "8", "--replicas", "2", "--spares", "1"]
-    clean = subprocess.run(_command(tmp_path / "clean", *grid, job="uneven"), capture_output=True, text=True,
-                           timeout=240)
+    clean = run_command(*_command(tmp_path / "clean", *grid, job="uneven"), timeout=240)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     code, out = _run_and_hit(tmp_path / "run", [(10, "worker2", signal.SIGKILL)], *grid, job="uneven")
     assert code == 0, out
@@ -95,8 +92,8 @@ def test_an_owner_lost_in_its_optimizer_step_while_the_other_copy_steps_loses_no
     step (and its own copy's other owner may have taken it too): the step stands, taken from the other copy."""
     at, victim = random.randint(2, 15), f"worker{random.randint(1, 4)}"
     print(f"{victim} dies in its optimizer step {at}")
-    done = subprocess.run(_command(tmp_path / "run", *REPLICATED, job="replicated_dies"), capture_output=True,
-                          text=True, timeout=240, env={**os.environ, "DIE_IN_STEP": f"{victim}:{at}", "COLUMNS": "200"})
+    done = run_command(*_command(tmp_path / "run", *REPLICATED, job="replicated_dies"), timeout=240,
+                       env={**os.environ, "DIE_IN_STEP": f"{victim}:{at}", "COLUMNS": "200"})
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert out.count(f"recovered: {victim} was lost") == 1, out

@@ -7,72 +7,53 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
-import uuid
 
 import pytest
 import torch
 
-from helpers import assert_close_f32, job_path, metric_steps, run_ranks
+from helpers import Command, assert_close_f32, descendant, job_path, metric_steps, run_command, run_ranks
 from rpcmp.core.served import current
 from rpcmp.core.checkpoint import complete_stems, load_checkpoint
 
 pytestmark = pytest.mark.integration
-RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 STEPS = 60
 
 
 def _command(folder, *extra, job="three", steps=STEPS, local=5):
-    return [RPCMP, "run", job_path(job), "--local", str(local), "--max-steps", str(steps), "--checkpoint-dir",
+    """The arguments of ``rpcmp`` for the run."""
+    return ["run", job_path(job), "--local", str(local), "--max-steps", str(steps), "--checkpoint-dir",
             str(folder), "--metrics", str(folder) + ".jsonl", *extra]
-
-
-def _process(tag: str, name: str) -> int | None:
-    """The pid of the run's process ``name`` (local ranks name themselves rpcmp-NAME)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if (open(f"/proc/{pid}/comm").read().strip() == f"rpcmp-{name}"
-                    and tag.encode() in open(f"/proc/{pid}/environ", "rb").read()):
-                return int(pid)
-        except OSError:
-            pass
-    return None
 
 
 def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three", steps=STEPS,
                  env: dict | None = None, local: int = 5):
     """Run the job (``env``: added to its environment); when the metrics show step k (or once the file k names
     exists), send ``sig`` to process ``name``, for each (k, name, sig)."""
-    tag = uuid.uuid4().hex
-    proc = subprocess.Popen(_command(folder, *extra, job=job, steps=steps, local=local), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, **(env or {}), "RPCMP_TEST_TAG": tag, "COLUMNS": "200"},
-                            start_new_session=True)
+    proc = Command(*_command(folder, *extra, job=job, steps=steps, local=local), merged=True,
+                   env={**os.environ, **(env or {}), "COLUMNS": "200"})
     try:
         for at, name, sig in hits:
             deadline = time.monotonic() + 120
             while not (at() if callable(at) else os.path.exists(at) if isinstance(at, str)
                        else metric_steps(str(folder) + ".jsonl") >= at):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+                assert proc.poll() is None and time.monotonic() < deadline, proc.output()
                 time.sleep(0.002)
-            pid = _process(tag, name)
+            pid = descendant(proc.pid, f"rpcmp-{name}")
             if pid is None and isinstance(at, int) and at >= steps:  # the run's last step: its processes may have left
                 continue
             assert pid is not None, f"{name} not found at step {at}"
             os.kill(pid, sig)
         out, _ = proc.communicate(timeout=timeout)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        proc.kill()
     return proc.returncode, out
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     folder = tmp_path_factory.mktemp("clean") / "run"
-    done = subprocess.run(_command(folder, "--spares", "1"), capture_output=True, text=True, timeout=240)
+    done = run_command(*_command(folder, "--spares", "1"))
     assert done.returncode == 0, done.stdout + done.stderr
     return load_checkpoint(str(folder))
 
@@ -262,8 +243,7 @@ def test_an_owner_lost_while_the_epoch_end_snapshot_lands_is_replaced_from_the_o
     assert code == 0, out
     assert out.count("recovered: worker2 was lost") == 1 and "every stage rolled back to step 30" in out, out
     assert "epoch 1: held-out -MSE" in out, out
-    clean = subprocess.run(_command(tmp_path / "clean", *common, job="slow_eval_keep", steps=40, local=3),
-                           capture_output=True, text=True, timeout=120)
+    clean = run_command(*_command(tmp_path / "clean", *common, job="slow_eval_keep", steps=40, local=3), timeout=120)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(tmp_path / "clean"))
     assert got["step"] == want["step"] == 40

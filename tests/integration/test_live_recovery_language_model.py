@@ -3,11 +3,10 @@ runs of a traced GPT-2, over four processes and over five), so that the suite's 
 import random
 import re
 import signal
-import subprocess
 
 import pytest
 
-from helpers import assert_close_f32
+from helpers import assert_close_f32, run_command
 from rpcmp.core.checkpoint import load_checkpoint
 from test_live_recovery import _command, _run_and_hit
 
@@ -22,8 +21,7 @@ def test_a_language_model_s_first_stage_lost_with_its_tied_embedding_is_rebuilt_
     lm = ["--epochs", "10"]  # 6 steps an epoch; 24 steps: the kill, then 9-13 steps after it
     # the run left alone: the master and three owners, no spare (one process fewer tracing GPT-2; a spare and its
     # snapshots change nothing of the math)
-    clean = subprocess.run(_command(tmp_path / "clean", *lm, job="hf_gpt2", steps=STEPS, local=4), capture_output=True,
-                           text=True, timeout=240)
+    clean = run_command(*_command(tmp_path / "clean", *lm, job="hf_gpt2", steps=STEPS, local=4), timeout=240)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     code, out = _run_and_hit(tmp_path / "run", [(random.randint(11, 15), "worker1", signal.SIGKILL)], "--spares", "1",
                              *lm, job="hf_gpt2", steps=STEPS)

@@ -6,19 +6,16 @@ import dataclasses
 import os
 import re
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, job_path, run_ranks
+from helpers import assert_close_f32, job_path, run_command, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from test_live_recovery import _command, _run_and_hit
 
 pytestmark = pytest.mark.integration
-RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 
 
 def _recuts(job, world_size):
@@ -52,12 +49,11 @@ def test_a_run_re_cut_three_times_equals_an_undisturbed_run():
 
 @pytest.mark.timeout(300)
 def test_rebalance_re_cuts_an_uneven_split_by_itself_and_trains_the_same_model(tmp_path):
-    common = [RPCMP, "run", job_path("uneven"), "--local", "4", "--max-steps", "40"]
-    plain = subprocess.run([*common, "--checkpoint-dir", str(tmp_path / "plain")], capture_output=True, text=True,
-                           timeout=240)
+    common = ["run", job_path("uneven"), "--local", "4", "--max-steps", "40"]
+    plain = run_command(*common, "--checkpoint-dir", str(tmp_path / "plain"))
     assert plain.returncode == 0, plain.stdout + plain.stderr
-    moved = subprocess.run([*common, "--rebalance", "--checkpoint-dir", str(tmp_path / "moved")], capture_output=True,
-                           text=True, timeout=240, env={**os.environ, "COLUMNS": "200"})
+    moved = run_command(*common, "--rebalance", "--checkpoint-dir", str(tmp_path / "moved"),
+                        env={**os.environ, "COLUMNS": "200"})
     assert moved.returncode == 0, moved.stdout + moved.stderr
     cuts = re.findall(r"re-cut after step \d+: balance \[([\d, ]+)\] -> \[([\d, ]+)\]", moved.stdout)
     assert cuts and cuts[0][0] == "1, 5, 2", moved.stdout
@@ -74,8 +70,7 @@ def test_an_owner_lost_as_the_run_measures_or_re_cuts_itself_is_replaced_and_the
     new part half built: the re-cut is undone on the others, and on the copies re-cut before; the snapshots kept
     with the stages it left as they were) or in the next step. The spare takes over (from the last snapshot, or
     from the live copy) and the run ends with the model of the same run left alone."""
-    plain = subprocess.run(_command(tmp_path / "plain", "--spares", "1", *copies, job="uneven"), capture_output=True,
-                           text=True, timeout=240)
+    plain = run_command(*_command(tmp_path / "plain", "--spares", "1", *copies, job="uneven"), timeout=240)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     code, out = _run_and_hit(tmp_path / "hit", [(10, "worker2", signal.SIGKILL)], "--spares", "1", "--rebalance",
                              *copies, job="uneven")
@@ -91,8 +86,7 @@ def test_an_owner_lost_while_the_new_cut_s_snapshot_travels_is_replaced_from_the
     spare takes over from the old cut's snapshot. It used to end the run: the re-cut had let the old parts go,
     and no buddy held the new cut's copy yet ("no snapshot holds the lost stages"); see [Note: a re-cut and its
     snapshot] in rpcmp/master/recut.py."""
-    plain = subprocess.run(_command(tmp_path / "plain", "--spares", "1", job="uneven"), capture_output=True, text=True,
-                           timeout=240)
+    plain = run_command(*_command(tmp_path / "plain", "--spares", "1", job="uneven"), timeout=240)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     flag = str(tmp_path / "snapshot-travels")
     monkeypatch.setenv("SNAPSHOT_FLAG", flag)

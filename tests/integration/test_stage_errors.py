@@ -86,14 +86,10 @@ def test_a_stage_failing_in_backward_is_named():
 @pytest.mark.parametrize("owner", ["master", "worker1"])
 def test_a_failing_stage_is_reported_once_with_its_own_traceback(owner):
     import os
-    import subprocess
-    import sys
 
-    from helpers import job_path
-    rpcmp_bin = os.path.join(os.path.dirname(sys.executable), "rpcmp")
+    from helpers import job_path, run_command
     env = {**os.environ, "EXPLODE_ON": "master" if owner == "master" else "worker", "COLUMNS": "200"}
-    proc = subprocess.run([rpcmp_bin, "run", job_path("explodes"), "--local", "3"], capture_output=True, text=True,
-                          timeout=150, env=env)
+    proc = run_command("run", job_path("explodes"), "--local", "3", timeout=150, env=env)
     err = proc.stderr
     assert proc.returncode == 1, proc.stdout + err
     line = (f"error: StageError: stage 2 (layers[3:4]) on {owner}/cpu failed on micro-batch 0: RuntimeError: "
@@ -103,6 +99,5 @@ def test_a_failing_stage_is_reported_once_with_its_own_traceback(owner):
     assert "rpcmp/owner/stage.py" not in err and "WorkerInfo" not in err and "torch/distributed" not in err, err
     assert "(during training step 1)" in err
     assert len(err.splitlines()) <= 12, err
-    debug = subprocess.run([rpcmp_bin, "run", job_path("explodes"), "--local", "3", "--debug"], capture_output=True,
-                           text=True, timeout=150, env=env).stderr
+    debug = run_command("run", job_path("explodes"), "--local", "3", "--debug", timeout=150, env=env).stderr
     assert debug.count(line) == 1 and "rpcmp/owner/stage.py" in debug and 'explodes.py", line 15' in debug, debug

@@ -4,12 +4,10 @@ that agree with those slices."""
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from helpers import job_path
+from helpers import job_path, run_command
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +28,8 @@ def _busy(intervals):
 @pytest.mark.timeout(180)
 def test_trace_has_every_slice_and_a_consistent_bubble(tmp_path):
     path = tmp_path / "trace.json"
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rpcmp"), "run", job_path("mlp"), "--local", "3",
-                           "--max-steps", "6", "--microbatches", "4", "--trace", str(path)],
-                          capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "200"})
+    proc = run_command("run", job_path("mlp"), "--local", "3", "--max-steps", "6", "--microbatches", "4", "--trace",
+                       str(path), timeout=150, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(path.read_text())
     summary = data["otherData"]
@@ -63,9 +60,8 @@ def test_trace_has_every_slice_and_a_consistent_bubble(tmp_path):
 
 def _run_traced(tmp_path, schedule):
     path = tmp_path / f"{schedule}.json"
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "rpcmp"), "run", job_path("mlp"), "--local", "3",
-                           "--max-steps", "5", "--microbatches", "4", "--schedule", schedule, "--trace", str(path)],
-                          capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "200"})
+    proc = run_command("run", job_path("mlp"), "--local", "3", "--max-steps", "5", "--microbatches", "4", "--schedule",
+                       schedule, "--trace", str(path), timeout=150, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
 
