@@ -161,6 +161,7 @@ class Pipeline(PipelineState):
         With ``grad=True`` this must run inside a ``dist_autograd.context()``.
         """
         check_sizes(self.specs[0].sizes, x)  # see [Note: any sequence length]
+        health.watch(self.owners, self.pid)  # an evaluation's too: see [Note: a death seen at once]
         parts = scatter(x, chunks or self.microbatches)
         first = self.places[0].process
         seqs = self.next_seqs(len(parts))

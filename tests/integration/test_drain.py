@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import assert_close_f32, fit_steps, job_path, metric_steps, run_ranks
+from helpers import assert_close_f32, fit_steps, job_path, metric_steps, run_command, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from test_daemons import free_port
 
@@ -24,14 +24,16 @@ RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
 STEPS = ["--epochs", "200", "--threads", "1", "--spares", "1"]
 
 
+# `rpcmp drain` and `rpcmp rebalance` start from the suite's fork server (helpers.Command); the daemons and the master
+# are the console script itself.
 def _drain(port, rank, token, timeout=120):
-    return subprocess.run([RPCMP, "drain", "--master", f"127.0.0.1:{port}", "--rank", str(rank), "--token-file",
-                           str(token), "--timeout", str(timeout)], capture_output=True, text=True, timeout=timeout + 60)
+    return run_command("drain", "--master", f"127.0.0.1:{port}", "--rank", str(rank), "--token-file", str(token),
+                       "--timeout", str(timeout), timeout=timeout + 60)
 
 
 def _rebalance(port, token, timeout=120):
-    return subprocess.run([RPCMP, "rebalance", "--master", f"127.0.0.1:{port}", "--token-file", str(token), "--timeout",
-                           str(timeout)], capture_output=True, text=True, timeout=timeout + 60)
+    return run_command("rebalance", "--master", f"127.0.0.1:{port}", "--token-file", str(token), "--timeout", str(timeout),
+                       timeout=timeout + 60)
 
 
 @pytest.mark.timeout(420)

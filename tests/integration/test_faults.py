@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from helpers import Command, job_path, run_command
+from helpers import Command, job_path, metric_steps, run_command
 from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
     try:
         deadline = time.monotonic() + 120
         while latest_checkpoint(ckpt_dir) is None:
-            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was written"
+            assert proc.poll() is None and time.monotonic() < deadline, ("no checkpoint was written", proc.communicate())
             time.sleep(0.2)
         workers = _workers(proc.pid)
         assert len(workers) == nworkers
@@ -92,25 +92,29 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
 
 
 @pytest.mark.timeout(150)
-def test_an_owner_lost_while_the_stage_before_it_computes_ends_the_step_at_once(tmp_path):
-    """worker2 (stage 1) is SIGKILLed while worker1's forward of stage 0 stalls for 90 s: nothing of the step
-    is in flight to worker2, yet the master learns of the loss at once (a call it keeps pending on every
-    owner fails with EOF), and the step's own failure ends the run (exit 1, naming worker2). Without that
-    call the step waited for worker1, and only the watchdog's backstop ended the run, 10 s later (exit 3)."""
-    flag = str(tmp_path / "stall")
-    with _rpcmp_run(job_path("stalls"), "--local", "3", STALL_FLAG=flag) as proc:
+@pytest.mark.parametrize("where", ["step", "evaluation"])
+def test_an_owner_lost_while_the_stage_before_it_computes_ends_the_step_at_once(tmp_path, where):
+    """worker2 (stage 1) is SIGKILLed while worker1's forward of stage 0 stalls for 90 s, in a training step or
+    in the held-out evaluation before the first step: nothing is in flight to worker2, yet the master learns of
+    the loss at once (a call it keeps pending on every owner fails with EOF), and the step's (or the
+    evaluation's) own failure ends the run (exit 1, naming worker2). Without that call the master waited for
+    worker1, and only the watchdog's backstop ended the run, 10 s later (exit 3)."""
+    flag, metrics = str(tmp_path / "stall"), str(tmp_path / "m.jsonl")
+    if where == "evaluation":
+        open(flag, "w").close()  # the first forward of stage 0 stalls: the evaluation before training
+    with _rpcmp_run(job_path("stalls"), "--local", "3", "--metrics", metrics, STALL_FLAG=flag) as proc:
         deadline = time.monotonic() + 90
-        while len(_workers(proc.pid)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.2)
-        time.sleep(2.0)  # some steps train
+        while where == "step" and metric_steps(metrics) < 2:  # some steps train
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
         open(flag, "w").close()
         while not os.path.exists(flag + ".stalled"):
-            assert proc.poll() is None and time.monotonic() < deadline, "worker1 did not stall"
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         err, waited = _kill_worker2(proc, 120)
     assert proc.returncode == 1, err
     assert "WorkerLostError" in err and "worker2" in err, err
+    assert ("before the first step" in err) == (where == "evaluation"), err
     assert waited < 45, f"the run ended {waited:.1f} s after the kill"
 
 
