@@ -12,7 +12,7 @@ import segmentation_models_pytorch as smp
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, job_path, load, metric_steps, run_ranks
+from helpers import assert_close_f32, job_path, load, metric_steps, run_command, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from rpcmp.train.engine import PipelineEngine
 from rpcmp.train.trainer import _save, fit
@@ -177,8 +177,7 @@ def test_ctrl_c_stops_between_steps_saves_and_resume_trains_the_uninterrupted_mo
     step = int(re.search(r"stopped by SIGINT after step (\d+): checkpoint in", out).group(1))
     assert load_checkpoint(str(tmp_path / "a"))["step"] == step >= at and step < 160
     assert not subprocess.run(["pgrep", "-f", str(tmp_path / "a")], capture_output=True).stdout
-    resumed = subprocess.run([*common, "--checkpoint-dir", str(tmp_path / "a"), "--resume"], capture_output=True,
-                             text=True, timeout=120)
+    resumed = run_command(*common[1:], "--checkpoint-dir", str(tmp_path / "a"), "--resume", timeout=120)
     assert resumed.returncode == 0 and f"at step {step}" in resumed.stdout, resumed.stdout + resumed.stderr
     # the run never stopped, started by rpcmp's launcher (the command line is not what is compared)
     run_ranks("mlp", 3, _fit, {"threads": 1, "epochs": 10, "max_steps": 160, "checkpoint_dir": str(tmp_path / "b")},

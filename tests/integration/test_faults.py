@@ -23,13 +23,23 @@ def _workers(session):
     return [int(pid) for pid, _ in sorted(named, key=lambda n: int(n[1].removeprefix("rpcmp-worker")))]
 
 
-def _alive(pid):
+def _started(pid) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None where there is none: with its pid, what
+    tells it from a later process given the same pid (the kernel reuses them within seconds on a busy machine)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()[:1] != "Z"
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()[19]
 
+
+def _alive(pid, started) -> bool:
+    """Process ``pid``, started at ``started``, still runs (a zombie does not)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return _started(pid) == started and state[state.rindex(")") + 2] != "Z"
 
 
 @contextlib.contextmanager
@@ -40,6 +50,13 @@ def _rpcmp_run(*args, **env):
         yield proc
     finally:
         proc.kill()
+
+
+def _described(pids, command) -> str:
+    """Each of ``pids`` still alive: its name, state and parent (the command's pid: ``command``)."""
+    out = subprocess.run(["ps", "-o", "pid=,ppid=,stat=,comm=", "-p", ",".join(map(str, pids))], capture_output=True,
+                         text=True).stdout
+    return f"command {command}:\n{out}"
 
 
 def _kill_worker2(proc, timeout):
@@ -74,7 +91,7 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
             time.sleep(0.2)
         workers = _workers(proc.pid)
         assert len(workers) == nworkers
-        everyone = [proc.pid] + workers
+        everyone = {p: _started(p) for p in [proc.pid] + workers}
         os.kill(workers[0], sig)  # worker1, owner of stage 0
         start = time.monotonic()
         _, err = proc.communicate(timeout=bound + 30)
@@ -87,9 +104,10 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
     assert "WorkerLostError" in err and named in err and "at step" in err, err
     assert "--resume" in err
     gone_by = time.monotonic() + 15  # a worker's exit under load (imports torn down, sockets closed) takes seconds
-    while [p for p in everyone if _alive(p)] and time.monotonic() < gone_by:
+    while [p for p, t in everyone.items() if _alive(p, t)] and time.monotonic() < gone_by:
         time.sleep(0.2)
-    assert not [p for p in everyone if _alive(p)], "processes were left behind"
+    left = [p for p, t in everyone.items() if _alive(p, t)]
+    assert not left, ("processes were left behind", _described(left, proc.pid))
     assert load_checkpoint(ckpt_dir)["step"] % 40 == 0
 
 

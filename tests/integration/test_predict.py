@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import assert_close_f32, fit_steps, job_path, run_ranks
+from helpers import assert_close_f32, fit_steps, job_path, run_command, run_ranks
 
 pytestmark = pytest.mark.integration
 RPCMP = os.path.join(os.path.dirname(sys.executable), "rpcmp")
@@ -28,7 +28,11 @@ def test_predict_unsplit_and_split_agree_and_write_panels(tmp_path):
     assert run_ranks("unet", 3, fit_steps, {"max_steps": 2, "checkpoint_dir": str(ckpt)}) == 2
     out = _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "a"), "--images", "3")
     assert "8 samples" in out and re.search(r"step-00000002\.[0-9a-f]+\.pt", out)
-    split = _run("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "b"), "--images", "3", "--local", "3")
+    # through the stages: the same console function, started from the suite's fork server (helpers.Command)
+    split = run_command("predict", job_path("unet"), "-c", str(ckpt), "--out", str(tmp_path / "b"), "--images", "3",
+                        "--local", "3", env={**os.environ, "COLUMNS": "200"})
+    assert split.returncode == 0, split.stdout + split.stderr
+    split = split.stdout
     assert re.search(r"building the stages \.\.\.\nstages built in \d+\.\d s\n", split), split  # said while they build
     assert "building the stages" not in out  # the unsplit model: no stages
     a, b = torch.load(tmp_path / "a" / "predictions.pt"), torch.load(tmp_path / "b" / "predictions.pt")
