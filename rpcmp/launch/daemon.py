@@ -27,6 +27,7 @@ one. SIGTERM stops the child and the daemon.
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
 import hmac
 import json
@@ -330,6 +331,7 @@ def run_master(job_file: str, workers: int, listen: str, token_file: str | None,
 
 
 def _serve_job(job_path: str, rank: int, world_size: int, host: str, port: int, overrides, finished) -> None:
+    gc.freeze()  # see [Note: what a fork inherits, frozen] in .server
     from ..errors import RpcmpError
     from .runtime import run_rank
     from ..train.trainer import fit

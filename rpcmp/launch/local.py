@@ -2,6 +2,7 @@
 with a free port chosen by the parent; a child that fails to start ends the run at once."""
 from __future__ import annotations
 
+import gc
 import io
 import os
 import sys
@@ -58,6 +59,7 @@ def _name_process(name: str) -> None:
 
 
 def _local_child(job_path, rank, world_size, port, overrides, main, results, parent, started, env, held=None):
+    gc.freeze()  # see [Note: what a fork inherits, frozen] in .server
     if held is not None:
         os.close(held)  # the launcher's rendezvous port, inherited by the fork: the launcher's alone
     _watch_parent(parent)

@@ -170,3 +170,19 @@ def test_a_job_the_master_refuses_after_the_launch_ends_with_its_error_alone(tmp
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "PartitionError" in out and "Data-dependent control flow" in out, out
     assert "tensorpipe" not in out.lower(), out
+
+
+def _frozen(job, world_size):
+    """On the master rank and, over RPC, on worker1: how many objects the garbage collector no longer walks."""
+    import gc
+    import torch.distributed.rpc as rpc
+    return gc.get_freeze_count(), rpc.rpc_sync("worker1", gc.get_freeze_count)
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_rank_freezes_what_it_inherited():
+    """See [Note: what a fork inherits, frozen] in rpcmp/launch/server.py: the imports a rank inherits (torch
+    alone is over 100,000 objects) are out of the collector's passes."""
+    from helpers import run_ranks
+    master, worker = run_ranks("mlp", 2, _frozen)
+    assert master > 100_000 and worker > 100_000, (master, worker)
