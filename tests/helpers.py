@@ -107,9 +107,9 @@ class Command:
     The process is forked from the suite's fork server (conftest.py), which has torch, rpcmp, the model libraries
     and tracing's imports loaded, and runs the console script's own function (``rpcmp.cli.console``): the command
     line, its launch and its ranks are what a user's ``rpcmp`` runs, without a fresh interpreter's 3-5 s of CPU of
-    imports. The console script itself (its interpreter, its entry point) is what test_launch.py, the daemons and
-    masters of test_daemons.py and test_drain.py, the first `rpcmp predict` of test_predict.py and the stopped run
-    of test_checkpoint_resume.py's Ctrl-C test start."""
+    imports. The console script itself (its interpreter, its entry point) is what test_launch.py, the daemons of
+    test_daemons.py and test_drain.py, test_drain.py's masters, the first `rpcmp predict` of test_predict.py and the
+    stopped run of test_checkpoint_resume.py's Ctrl-C test start."""
 
     def __init__(self, *args: str, env: dict | None = None, merged: bool = False):
         folder = tempfile.mkdtemp(prefix="rpcmp-command-")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from helpers import fit_steps, job_path
+from helpers import Command, fit_steps, job_path
 from rpcmp.launch.runtime import free_port as rpcmp_free_port
 
 pytestmark = pytest.mark.integration
@@ -21,10 +21,11 @@ def free_port() -> int:
     return rpcmp_free_port(count=2)
 
 
-def _master(port, token_file, *args, workers=2, **kw):
-    return subprocess.Popen([RPCMP, "run", job_path("mlp"), "--workers", str(workers), "--listen", f"127.0.0.1:{port}",
-                             "--token-file", str(token_file), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
+def _master(port, token_file, *args, workers=2, env=None):
+    """`rpcmp run --workers` as the console script runs it, started from the suite's fork server (helpers.Command);
+    the daemons are the console script itself, and test_drain.py's masters too."""
+    return Command("run", job_path("mlp"), "--workers", str(workers), "--listen", f"127.0.0.1:{port}", "--token-file",
+                   str(token_file), *args, env=env, merged=True)
 
 
 @pytest.mark.timeout(300)
