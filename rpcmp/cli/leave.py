@@ -21,7 +21,7 @@ __all__ = ["program"]
 # exit hooks, the non-daemon threads joined, the atexit handlers: multiprocessing's join of its children,
 # logging's flush, torch's), flushes Python's and C's standard streams, and leaves with ``os._exit``.
 # Measured on `rpcmp run tests/jobs/three.py --local 5 --max-steps 60 --spares 1`, idle 2-core machine:
-# 5.8-6.2 s from start to exit before, 5.2-5.4 s after; the suite starts about 150 such processes.
+# 5.8-6.2 s from start to exit before, 5.2-5.4 s after (three alternating launches each).
 def program(command: Callable[[], object]) -> NoReturn:
     """Run ``command`` (a click command, standalone) as this process's program, then leave it."""
     try:
