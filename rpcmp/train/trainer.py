@@ -67,13 +67,15 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
     before = engine.evaluate(heldout) if heldout is not None and job.metric else None
     if before is not None:
         console.print(f"held-out {job.metric_name} before training: [bold]{before:.4f}[/]")
-    losses, samples, saved, start = [], 0, None, time.perf_counter()
+    losses, samples, saved, after, start = [], 0, None, None, time.perf_counter()
     log = MetricsLog(job.metrics_file if engine.is_main else None)
     tracer = Tracer(engine, job, first=step + 2 if total - step > 1 else step + 1, last=min(total, step + 4))
     with Progress(*_progress_columns(), console=console, transient=False, disable=not engine.is_main) as progress:
-        while (step < total and stop.signum is None) or (job.checkpoint_dir and saved != step):
-            if step >= total or stop.signum is not None:  # the last checkpoint (a rollback trains again from there)
-                saved, step, epoch, first_batch = _save_or_roll_back(job, engine, run, progress, None, losses, step, epoch, first_batch)
+        while (step < total and stop.signum is None) or (job.checkpoint_dir and saved != step) or (
+                before is not None and after is None and stop.signum is None):
+            if step >= total or stop.signum is not None:  # the last checkpoint, the metric (a rollback trains again)
+                saved, after, step, epoch, first_batch = _last(job, engine, run, progress, losses, heldout, saved, step,
+                                                               epoch, first_batch)
                 continue
             engine.train()
             groups, steps = engine.epoch_loader(train_set, epoch, first_batch)
@@ -115,7 +117,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
             if not rolled and job.checkpoint_dir and not job.checkpoint_every and saved != step:
                 saved, step, epoch, first_batch = _save_or_roll_back(job, engine, run, progress, task, losses, step, epoch,
                                                                      first_batch)
-    return _finish(job, engine, console, log, tracer, heldout, before, losses, samples, step, time.perf_counter() - start,
+    return _finish(job, engine, console, log, tracer, before, after, losses, samples, step, time.perf_counter() - start,
                    stop.name)
 
 
@@ -157,11 +159,10 @@ def _progress_columns() -> tuple:
             TimeRemainingColumn())
 
 
-def _finish(job, engine, console: Console, log, tracer, heldout, before, losses: list, samples: int, step: int,
+def _finish(job, engine, console: Console, log, tracer, before, after, losses: list, samples: int, step: int,
             elapsed: float, stopped: str | None) -> dict[str, Any]:
     """The end of a run: the timeline, the held-out metric, the last metrics record and the summary."""
     tracer.finish(console)
-    after = engine.evaluate(heldout) if before is not None and stopped is None else None
     log.write(kind="end", step=step, metric_before=before, metric_after=after,
               seconds=elapsed, samples_per_s=samples / elapsed if elapsed else 0.0, stopped=stopped)
     log.close()
@@ -233,6 +234,24 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+def _last(job, engine, run: str, progress, losses: list, heldout, saved: int | None, step: int, epoch: int,
+          next_batch: int) -> tuple[int | None, float | None, int, int, int]:
+    """After the last step, its checkpoint (where one is due), then the held-out metric: (the step saved, the metric
+    or None, step, epoch, next batch). Either may roll every stage back to an older snapshot (an owner lost as it
+    wrote its part, or in the evaluation as its snapshot landed: rpcmp/master/recovery.py); the run then trains
+    those steps again. A checkpoint written before the evaluation's rollback stands: the steps trained again
+    end where it is."""
+    if job.checkpoint_dir and saved != step:
+        saved, step, epoch, next_batch = _save_or_roll_back(job, engine, run, progress, None, losses, step, epoch,
+                                                            next_batch)
+        return saved, None, step, epoch, next_batch
+    try:
+        return saved, engine.evaluate(heldout, between_epochs=True), step, epoch, next_batch
+    except RolledBack as back:
+        step, (epoch, next_batch) = _rolled_back(back, progress, None, losses, step)
+        return saved, None, step, epoch, next_batch
 
 
 def _save_or_roll_back(job, engine, run: str, progress, task, losses: list, step: int, epoch: int,

@@ -251,6 +251,28 @@ def test_an_owner_lost_while_the_epoch_end_snapshot_lands_is_replaced_from_the_o
 
 
 @pytest.mark.timeout(300)
+def test_an_owner_lost_while_the_final_evaluation_s_snapshot_lands_trains_the_last_steps_again(tmp_path):
+    """As above, in the held-out evaluation after the last step (28, its checkpoint written): the spare takes stage 1
+    from the snapshot of step 25, steps 26-28 train again, the evaluation runs again, and the run ends exit 0 as an
+    undisturbed one. Before, the run ended with the loss's error."""
+    metrics, let_go = str(tmp_path / "run") + ".jsonl", tmp_path / "let-go"
+    common = ("--snapshot-every", "5", "--epochs", "2")
+    code, out = _run_and_hit(tmp_path / "run", [
+        (lambda: metric_steps(metrics) >= 28 and time.sleep(1.0) is None, "worker2", signal.SIGKILL),
+        (lambda: metric_steps(metrics) >= 31 and let_go.touch() is None, "worker1", 0)],  # step 28 trained again
+        "--spares", "1", *common, job="slow_eval_keep", steps=28, local=4,
+        env={"SLOW_KEEP_UNTIL": str(let_go), "SLOW_KEEP_ON": "worker1", "SLOW_KEEP_AT": "28", "SLOW_EVAL_S": "3"})
+    assert code == 0, out
+    assert out.count("recovered: worker2 was lost") == 1 and "every stage rolled back to step 25" in out, out
+    assert re.search(r"held-out -MSE: -?\d+\.\d+ -> -?\d+\.\d+", out), out
+    clean = run_command(*_command(tmp_path / "clean", *common, job="slow_eval_keep", steps=28, local=3), timeout=120)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(tmp_path / "clean"))
+    assert got["step"] == want["step"] == 28
+    assert_close_f32(got["model"], want["model"])
+
+
+@pytest.mark.timeout(300)
 def test_a_second_lost_owner_with_no_spare_left_ends_the_run_naming_why(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL), (25, "worker3", signal.SIGKILL)],
                              "--spares", "1", "--snapshot-every", "5")
