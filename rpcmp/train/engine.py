@@ -227,9 +227,8 @@ class PipelineEngine:
         """The held-out metric. With spares, an owner lost during the evaluation is replaced as in a step; an
         evaluation changes nothing of the model, so from a live copy, or from a snapshot of this very step (taken
         and landed first when the last one is older), no step is lost and the evaluation runs again. Where the
-        stages went back to an older one (an owner lost as this one landed): ``between_epochs`` (at an epoch's end or
-        after the last step), raise the RolledBack (the trainer trains those steps again); else the run ends with the
-        error."""
+        stages went back to an older one (an owner lost as this one landed): ``between_epochs`` (or after the last
+        step), raise the RolledBack (the trainer trains those steps again); else the run ends with the error."""
         recovery = self.snapshots or self.live
         if recovery is None:
             return evaluate(self.pipe, dataset, self.job)
