@@ -23,23 +23,22 @@ def _workers(session):
     return [int(pid) for pid, _ in sorted(named, key=lambda n: int(n[1].removeprefix("rpcmp-worker")))]
 
 
-def _started(pid) -> str | None:
-    """When process ``pid`` started (clock ticks since boot), or None where there is none: with its pid, what
-    tells it from a later process given the same pid (the kernel reuses them within seconds on a busy machine)."""
+def _started(pid) -> tuple[str, str] | None:
+    """Process ``pid``'s state and start time (clock ticks since boot), or None where there is none: with its pid,
+    the start time tells it from a later process given the same pid (the kernel reuses them within seconds on a busy
+    machine)."""
     try:
         stat = open(f"/proc/{pid}/stat").read()
     except OSError:
         return None
-    return stat[stat.rindex(")") + 2:].split()[19]
+    fields = stat[stat.rindex(")") + 2:].split()
+    return fields[0], fields[19]
 
 
 def _alive(pid, started) -> bool:
     """Process ``pid``, started at ``started``, still runs (a zombie does not)."""
-    try:
-        state = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return _started(pid) == started and state[state.rindex(")") + 2] != "Z"
+    now = _started(pid)
+    return now is not None and now[1] == started and now[0] != "Z"
 
 
 @contextlib.contextmanager
@@ -91,7 +90,7 @@ def test_lost_worker_ends_the_run_clearly(tmp_path, sig, bound, mode):
             time.sleep(0.2)
         workers = _workers(proc.pid)
         assert len(workers) == nworkers
-        everyone = {p: _started(p) for p in [proc.pid] + workers}
+        everyone = {p: (_started(p) or (None, None))[1] for p in [proc.pid] + workers}
         os.kill(workers[0], sig)  # worker1, owner of stage 0
         start = time.monotonic()
         _, err = proc.communicate(timeout=bound + 30)

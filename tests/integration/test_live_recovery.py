@@ -227,48 +227,33 @@ def test_an_owner_lost_while_its_copy_travels_is_replaced_from_the_step_its_budd
 
 
 @pytest.mark.timeout(300)
-def test_an_owner_lost_while_the_epoch_end_snapshot_lands_is_replaced_from_the_one_before_and_training_goes_on(tmp_path):
-    """The held-out evaluation at the end of epoch 1 (step 32) snapshots that step first; worker1 holds its keep of
-    worker2's copy until worker2 has been SIGKILLed and training has gone on, and stage 0 sleeps in the evaluation's
-    first forward (tests/jobs/slow_eval_keep.py). The spare takes stage 1 from the snapshot of step 30, steps 31 and
-    32 train again, and the run ends as an undisturbed one. Before, the evaluation ran beside the snapshot's
-    shipment, the kill landed in it, and a recovery in an evaluation from an older snapshot ended the run."""
+# release: the step records by which training went on after the rollback (33 again; 28 again), and the keep ends
+@pytest.mark.parametrize("steps,at,back,release,said", [(40, 32, 30, 35, r"epoch 1: held-out -MSE"),
+                                                        (28, 28, 25, 31, r"held-out -MSE: -?\d+\.\d+ -> -?\d+\.\d+")],
+                         ids=["epoch-end", "final"])
+def test_an_owner_lost_while_an_evaluation_s_snapshot_lands_is_replaced_from_the_one_before_and_training_goes_on(
+        tmp_path, steps, at, back, release, said):
+    """The held-out evaluation at the end of epoch 1 (step 32), or the one after the last step (28, its checkpoint
+    written), snapshots that step first; worker1 holds its keep of worker2's copy until worker2 has been SIGKILLed
+    and training has gone on, and stage 0 sleeps in the first forward of an evaluation after training began
+    (tests/jobs/slow_eval_keep.py). The spare takes stage 1 from the snapshot before (snapshots every 5 steps), the
+    steps since train again, the evaluation runs again, and the run ends as an undisturbed one. Before, the
+    evaluation ran beside the snapshot's shipment, the kill landed in it, and a recovery in an evaluation from an
+    older snapshot ended the run (after the last step, until c1da675)."""
     metrics, let_go = str(tmp_path / "run") + ".jsonl", tmp_path / "let-go"
     common = ("--snapshot-every", "5", "--epochs", "2")
     code, out = _run_and_hit(tmp_path / "run", [
-        (lambda: metric_steps(metrics) >= 32 and time.sleep(1.0) is None, "worker2", signal.SIGKILL),
-        (lambda: metric_steps(metrics) >= 35 and let_go.touch() is None, "worker1", 0)],  # step 33 after the rollback
-        "--spares", "1", *common, job="slow_eval_keep", steps=40, local=4,
-        env={"SLOW_KEEP_UNTIL": str(let_go), "SLOW_KEEP_ON": "worker1", "SLOW_KEEP_AT": "32", "SLOW_EVAL_S": "3"})
+        (lambda: metric_steps(metrics) >= at and time.sleep(1.0) is None, "worker2", signal.SIGKILL),
+        (lambda: metric_steps(metrics) >= release and let_go.touch() is None, "worker1", 0)],
+        "--spares", "1", *common, job="slow_eval_keep", steps=steps, local=4,
+        env={"SLOW_KEEP_UNTIL": str(let_go), "SLOW_KEEP_ON": "worker1", "SLOW_KEEP_AT": str(at), "SLOW_EVAL_S": "3"})
     assert code == 0, out
-    assert out.count("recovered: worker2 was lost") == 1 and "every stage rolled back to step 30" in out, out
-    assert "epoch 1: held-out -MSE" in out, out
-    clean = run_command(*_command(tmp_path / "clean", *common, job="slow_eval_keep", steps=40, local=3), timeout=120)
+    assert out.count("recovered: worker2 was lost") == 1 and f"every stage rolled back to step {back}" in out, out
+    assert re.search(said, out), out
+    clean = run_command(*_command(tmp_path / "clean", *common, job="slow_eval_keep", steps=steps, local=3), timeout=120)
     assert clean.returncode == 0, clean.stdout + clean.stderr
     got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(tmp_path / "clean"))
-    assert got["step"] == want["step"] == 40
-    assert_close_f32(got["model"], want["model"])
-
-
-@pytest.mark.timeout(300)
-def test_an_owner_lost_while_the_final_evaluation_s_snapshot_lands_trains_the_last_steps_again(tmp_path):
-    """As above, in the held-out evaluation after the last step (28, its checkpoint written): the spare takes stage 1
-    from the snapshot of step 25, steps 26-28 train again, the evaluation runs again, and the run ends exit 0 as an
-    undisturbed one. Before, the run ended with the loss's error."""
-    metrics, let_go = str(tmp_path / "run") + ".jsonl", tmp_path / "let-go"
-    common = ("--snapshot-every", "5", "--epochs", "2")
-    code, out = _run_and_hit(tmp_path / "run", [
-        (lambda: metric_steps(metrics) >= 28 and time.sleep(1.0) is None, "worker2", signal.SIGKILL),
-        (lambda: metric_steps(metrics) >= 31 and let_go.touch() is None, "worker1", 0)],  # step 28 trained again
-        "--spares", "1", *common, job="slow_eval_keep", steps=28, local=4,
-        env={"SLOW_KEEP_UNTIL": str(let_go), "SLOW_KEEP_ON": "worker1", "SLOW_KEEP_AT": "28", "SLOW_EVAL_S": "3"})
-    assert code == 0, out
-    assert out.count("recovered: worker2 was lost") == 1 and "every stage rolled back to step 25" in out, out
-    assert re.search(r"held-out -MSE: -?\d+\.\d+ -> -?\d+\.\d+", out), out
-    clean = run_command(*_command(tmp_path / "clean", *common, job="slow_eval_keep", steps=28, local=3), timeout=120)
-    assert clean.returncode == 0, clean.stdout + clean.stderr
-    got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(tmp_path / "clean"))
-    assert got["step"] == want["step"] == 28
+    assert got["step"] == want["step"] == steps
     assert_close_f32(got["model"], want["model"])
 
 
