@@ -31,7 +31,8 @@ from ..owner import stage
 from ..plan.placement import Place
 from .sync import LocalMerge
 
-__all__ = ["move_stage", "parse_target", "build_on", "build_many", "install", "new_optimizer", "warm"]
+__all__ = ["move_stage", "parse_target", "build_on", "build_many", "install", "new_optimizer", "warm", "held_handles",
+           "restore_handles"]
 
 
 def parse_target(target: str) -> Place:
@@ -66,21 +67,60 @@ def move_stage(pipe, index: int, target: str, copy_of: bool = False, replica: in
     old_optims = {r.owner().name: r for r in (pipe.optimizer.remote_optimizers if pipe.optimizer else [])}
     # The generators travel when the move leaves no other stage on either process: see [Note: what a stage is, to move it].
     alone = pipe.owners.count(old.process) == 1 and new.process not in pipe.owners
-    try:
+    handles = held_handles(pipe)
+    try:  # nothing is final before the old owner drops its copy: see [Note: a target lost late]
         built = build_on(pipe, index, new, owners)
         rpc.rpc_sync(new.process, owner_move.take_stage, args=(pipe.pid, index, old.process,
                                                               old_optims.get(old.process), alone))
-    except Exception as exc:  # noqa: BLE001 - nothing has changed place yet: the stage stays where it was
-        if unresponsive([new.process], timeout=3.0):
+        pipe.places[index], pipe.owners[index] = new, new.process
+        install(pipe, index, new, built)
+        new_optimizer(pipe, old_optims, {old.process, new.process})
+        wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
+    except Exception as exc:  # noqa: BLE001 - the stage stays where it was; a lost target is said so
+        lost = unresponsive([new.process], timeout=3.0)
+        if lost:
+            current().lost.add(new.process)
+        if pipe.owners[index] != old.process:
+            _put_back(pipe, index, old, handles)
+        if lost:
             raise WorkerLostError(f"move_stage: stage {index} stays on {old.process}: {new.process} was lost while it "
                                   f"took the stage ({reason(exc)})") from exc
         raise
-    pipe.places[index], pipe.owners[index] = new, new.process
-    wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
     rpc.rpc_sync(old.process, owner_move.drop_stage, args=(pipe.pid, index))
-    install(pipe, index, new, built)
-    new_optimizer(pipe, old_optims, {old.process, new.process})
     return time.perf_counter() - start
+
+
+# [Note: a target lost late]
+# A move is final when the old owner drops its copy, the last call. Until then the target can be
+# lost (killed, stopped past the RPC timeout) in any of the calls that hand it the stage, the
+# last of them after the master's handles and optimizer point at it and some owners send to it.
+# The stage then stays where it was: the master takes its old handles and optimizer back (as an
+# undone re-cut does) and routes every surviving owner as before; the move fails as one whose
+# target was lost while it built (tests/integration/test_move.py kills it in each of those calls).
+def _put_back(pipe, index: int, place: Place, handles: tuple) -> None:
+    """Stage ``index`` of ``pipe`` on ``place`` again, as before a move that failed (its target lost)."""
+    current().keep_lost([pipe.stages[index].module_rref, *pipe.stage_rrefs[index]])
+    pipe.places[index], pipe.owners[index] = place, place.process
+    restore_handles(pipe, handles)
+    wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, pipe.owners)) for o in sorted(set(pipe.owners))])
+
+
+def held_handles(pipe) -> tuple:
+    """What the master holds of ``pipe``'s stages and optimizer (for :func:`restore_handles`)."""
+    optimizers = list(pipe.optimizer.remote_optimizers) if pipe.optimizer is not None else None
+    return list(pipe.stages), list(pipe.stage_rrefs), optimizers
+
+
+def restore_handles(pipe, handles: tuple) -> None:
+    """The master's handles of the stages as they were: a move or a re-cut undone after :func:`install` and
+    :func:`new_optimizer` ran. The old local optimizers are untouched: a new one shares their state."""
+    pipe.stages, pipe.stage_rrefs, optimizers = handles
+    pipe.param_rrefs = [r for refs in pipe.stage_rrefs for r in refs]
+    pipe.param_owners = sorted({r.owner().name for r in pipe.param_rrefs})
+    if optimizers is not None:
+        current().keep_lost([r for r in pipe.optimizer.remote_optimizers if r not in optimizers])
+        pipe.optimizer.remote_optimizers = optimizers
+    pipe.label_stages()
 
 
 def build_on(pipe, index: int, place: Place, owners: list[str], empty: bool = True):

@@ -45,7 +45,7 @@ from ..owner import stage
 from ..plan.balance import partition_costs, units_of
 from ..plan.partition import Split, SplitAt, replan
 from ..plan.materialize import meta_model, tensor_names
-from .move import build_many, install, new_optimizer, warm
+from .move import build_many, held_handles, install, new_optimizer, restore_handles, warm
 from .sync import LocalMerge
 
 __all__ = ["recut", "Rebalancer"]
@@ -80,7 +80,7 @@ def recut(pipe, cut, copy_of: bool = False, before_commit=None) -> float:
     pipe.pid, pipe.specs = current().next_pipeline_id(), specs
     owners = list(pipe.owners)
     wait_all([rpc.rpc_async(owners[k], owner_move.rekey, args=(old_pid, pipe.pid, k)) for k in range(len(specs)) if same[k]])
-    handles = _handles(pipe)
+    handles = held_handles(pipe)
     try:
         built = build_many(pipe, {k: pipe.places[k] for k in range(len(specs)) if not same[k]}, owners)
         wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
@@ -93,7 +93,7 @@ def recut(pipe, cut, copy_of: bool = False, before_commit=None) -> float:
         if before_commit is not None:
             before_commit()
     except Exception:  # an owner could not build or fill its new part, or was lost: the pipeline stays as it was cut
-        _restore(pipe, handles)
+        restore_handles(pipe, handles)
         _undo(pipe, old_pid, owners, same)
         pipe.pid, pipe.specs = old_pid, old_specs
         raise
@@ -110,22 +110,6 @@ def recut(pipe, cut, copy_of: bool = False, before_commit=None) -> float:
 # waits until every buddy holds its copy: a loss before that undoes the re-cut (the old parts, their
 # optimizer state untouched, and their snapshots are all still there) and the spare takes over from
 # the old cut's snapshot; a loss after it recovers from the new one. Nothing in between.
-
-
-def _handles(pipe) -> tuple:
-    """What the master holds of ``pipe``'s stages and optimizer (for :func:`_restore`)."""
-    optimizers = list(pipe.optimizer.remote_optimizers) if pipe.optimizer is not None else None
-    return list(pipe.stages), list(pipe.stage_rrefs), optimizers
-
-
-def _restore(pipe, handles: tuple) -> None:
-    """The master's handles of the old parts again: a re-cut undone after the new parts were installed."""
-    pipe.stages, pipe.stage_rrefs, optimizers = handles
-    pipe.param_rrefs = [r for refs in pipe.stage_rrefs for r in refs]
-    pipe.param_owners = sorted({r.owner().name for r in pipe.param_rrefs})
-    if optimizers is not None:
-        pipe.optimizer.remote_optimizers = optimizers
-    pipe.label_stages()
 
 
 def _undo(pipe, old_pid: int, owners: list[str], same: list[bool]) -> None:

@@ -179,8 +179,12 @@ def _drained_as_the_spare_dies(job, world_size: int):
 
 
 @pytest.mark.timeout(200)
-def test_a_drain_whose_spare_is_lost_while_it_takes_the_stage_is_refused_and_the_job_goes_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("at", ["build", "adopt_optimizer", "set_routes"])
+def test_a_drain_whose_spare_is_lost_while_it_takes_the_stage_is_refused_and_the_job_goes_on(tmp_path, monkeypatch, at):
+    """The spare killed as it builds the stage, or in a move's last calls to it (its optimizer, the routes: the
+    master's handles point at it already): the stage stays on the drained process, whose rank stays."""
     monkeypatch.setenv("SLOW_BUILD_ON", "worker4")
+    monkeypatch.setenv("SLOW_AT", at)
     monkeypatch.setenv("BUILDING", str(tmp_path / "building"))
     runs = run_ranks("slow_spare", 5, _drained_as_the_spare_dies, overrides={"spares": 1}, timeout=150)
     (number, ok, said), = runs[True][0]

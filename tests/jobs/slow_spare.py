@@ -1,7 +1,8 @@
 """tests/jobs/three.py (or the job ``SLOW_SPARE_OF`` names: ``replicated_dies``) where the process ``SLOW_BUILD_ON``
 names (in the environment; unset: none), once asked to build a stage (or, with ``SLOW_AT=restore``, to take a
-snapshot's values into it; ``take_stage``: a live copy's), writes its process id to the file ``BUILDING`` names and
-sleeps 60 s first: a test kills a spare while it takes over a lost owner's stage."""
+snapshot's values into it; ``take_stage``: a live copy's; ``adopt_optimizer``, ``set_routes``: the last calls of a
+move, after the stage came), writes its process id to the file ``BUILDING`` names and sleeps 60 s first: a test kills
+a spare while it takes over a lost owner's stage, or a drained one's."""
 import importlib
 import os
 import time
@@ -15,7 +16,7 @@ job = importlib.import_module(os.environ.get("SLOW_SPARE_OF", "three")).job
 
 SLOW_ON = os.environ.get("SLOW_BUILD_ON")
 NAME = os.environ.get("SLOW_AT", "build")
-MODULE = {"build": stage, "restore": snapshot, "take_stage": move}[NAME]
+MODULE = {"build": stage, "restore": snapshot}.get(NAME, move)
 _real = getattr(MODULE, NAME)
 
 
