@@ -16,7 +16,7 @@ from .reduce import StepMerge, StepReduce, param_grads
 from .stage import StageHost, count_reduce, named_params, running_stats
 
 __all__ = ["begin_merge", "begin_reduce", "reduce_merged", "average_grads", "settle_reduce",
-           "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads"]
+           "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads", "local_step"]
 
 
 def _trainable(host: StageHost) -> dict[str, torch.Tensor]:
@@ -116,3 +116,21 @@ def set_shared_grad(pid: int, index: int, name: str, ctx_id: int, value: torch.T
 def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
     for g in param_grads(named_params(pid), ctx_id).values():
         g.mul_(scale)
+
+
+def local_step(optim_rref, ctx_id: int) -> None:
+    """The step of a local optimizer that is a torch.optim one (see [Note: a parameter a step did not reach]
+    in rpcmp/master/move.py): every parameter's ``.grad`` is the context's gradient, or None where the step
+    did not reach it, and None again after the step."""
+    from torch.distributed.optim.optimizer import _LocalOptimizer
+    optim = optim_rref.local_value().optim
+    grads = dist_autograd.get_gradients(ctx_id)
+    params = [p for group in optim.param_groups for p in group["params"]]
+    with _LocalOptimizer.global_lock:  # as torch's own step: one step at a time on this process
+        for p in params:
+            p.grad = grads.get(p)
+        try:
+            optim.step()
+        finally:
+            for p in params:
+                p.grad = None
