@@ -179,7 +179,7 @@ def distributed_optimizer(cls, params: list, **kwargs) -> DistributedOptimizer:
 
 
 class _Optimizer(DistributedOptimizer):
-    """A DistributedOptimizer whose torch.optim local optimizers see no gradient of a step before.
+    """A DistributedOptimizer whose local optimizers read rpcmp's view of a step's gradients.
 
     [Note: a parameter a step did not reach]
     torch's step of a local optimizer that is a torch.optim one (any optimizer without a functional twin:
@@ -187,15 +187,15 @@ class _Optimizer(DistributedOptimizer):
     write]) sets ``.grad`` of the parameters the step's context holds and leaves every other one's as it
     was: a parameter that a step did not reach (an expert no token was routed to, a branch not taken) was
     updated again with the gradient of the last step that reached it, where the unsplit model, its
-    gradients zeroed to None, leaves it alone (NAdam, tests/jobs/branchy.py: 0.017 off in 3 steps). rpcmp's
-    step sets every parameter's ``.grad``, None where the context has none, and lets go of them after.
-    The functional ones take the context's gradients, None where it has none, already."""
+    gradients zeroed to None, leaves it alone (NAdam, tests/jobs/branchy.py: 0.017 off in 3 steps). rpcmp
+    steps every local optimizer itself (:func:`rpcmp.owner.grads.local_step`): a torch.optim one finds every
+    parameter's ``.grad`` set, None where the step has no gradient, and let go after; a functional one is
+    handed the list, as torch does. Both read the gradients the owner keeps beside the context (see [Note: a
+    parameter the first micro-batch did not reach] in rpcmp/owner/reduce.py)."""
 
     def step(self, context_id):
-        if self.is_functional_optim:
-            super().step(context_id)
-        else:
-            wait_all([rpc.rpc_async(o.owner(), grads.local_step, args=(o, context_id)) for o in self.remote_optimizers])
+        wait_all([rpc.rpc_async(o.owner(), grads.local_step, args=(o, context_id, self.is_functional_optim))
+                  for o in self.remote_optimizers])
 
 
 def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:

@@ -6,13 +6,12 @@ norm for clipping, the scaling it decides, and the gradients of a parameter that
 from __future__ import annotations
 
 import torch
-import torch.distributed.autograd as dist_autograd
 
 from ..errors import StageError
 from ..core.failure import Failure
 from ..core.served import current
 from ..plan.placement import MASTER
-from .reduce import StepMerge, StepReduce, param_grads
+from .reduce import StepMerge, StepReduce, drop_beside, param_grads
 from .stage import StageHost, count_reduce, named_params, running_stats
 
 __all__ = ["begin_merge", "begin_reduce", "reduce_merged", "average_grads", "settle_reduce",
@@ -35,8 +34,15 @@ def begin_merge(pid: int, first_seq: int, count: int) -> bool:
     hosts = current().hosts_of(pid)
     for host in hosts:
         params = _trainable(host)
+        _drop_last(host)
         host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts) if params else None
     return _needs_word(hosts)
+
+
+def _drop_last(host: StageHost) -> None:
+    """What a step that took no optimizer step (failed, or skipped) kept beside its first context."""
+    if host.reduce is not None and 0 in host.reduce.contexts:
+        drop_beside(host.reduce.contexts[0])
 
 
 def _needs_word(hosts: list[StageHost]) -> bool:
@@ -56,6 +62,7 @@ def begin_reduce(pid: int, first_seq: int, count: int) -> bool:
         params = _trainable(host)
         if not params:
             continue
+        _drop_last(host)
         count_reduce(host)
         group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, _where(host), group, group.size(), first_seq, count,
@@ -104,13 +111,13 @@ def shared_grad(pid: int, index: int, name: str, ctx_id: int) -> torch.Tensor | 
     """Stage ``index``'s gradient of its parameter ``name`` in the context, or None (see [Note: a
     parameter shared by stages] in rpcmp/master/tied.py)."""
     param = current().host(pid, index).module.get_parameter(name)
-    grad = dist_autograd.get_gradients(ctx_id).get(param)
+    grad = param_grads({param}, ctx_id).get(param)
     return None if grad is None else grad.detach().cpu()
 
 
 def set_shared_grad(pid: int, index: int, name: str, ctx_id: int, value: torch.Tensor) -> None:
     param = current().host(pid, index).module.get_parameter(name)
-    dist_autograd.get_gradients(ctx_id)[param].copy_(value)
+    param_grads({param}, ctx_id)[param].copy_(value)
 
 
 def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
@@ -118,19 +125,27 @@ def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
         g.mul_(scale)
 
 
-def local_step(optim_rref, ctx_id: int) -> None:
-    """The step of a local optimizer that is a torch.optim one (see [Note: a parameter a step did not reach]
-    in rpcmp/master/move.py): every parameter's ``.grad`` is the context's gradient, or None where the step
-    did not reach it, and None again after the step."""
+def local_step(optim_rref, ctx_id: int, functional: bool) -> None:
+    """A local optimizer's step on context ``ctx_id``'s gradients and those kept beside it (see [Note: a
+    parameter the first micro-batch did not reach] in rpcmp/owner/reduce.py), which it lets go: a functional
+    optimizer is handed them, None where a parameter has none; a torch.optim one finds them in ``.grad``, None
+    where a parameter has none, and None again after the step (see [Note: a parameter a step did not reach]
+    in rpcmp/master/move.py)."""
     from torch.distributed.optim.optimizer import _LocalOptimizer
-    optim = optim_rref.local_value().optim
-    grads = dist_autograd.get_gradients(ctx_id)
-    params = [p for group in optim.param_groups for p in group["params"]]
-    with _LocalOptimizer.global_lock:  # as torch's own step: one step at a time on this process
-        for p in params:
-            p.grad = grads.get(p)
-        try:
-            optim.step()
-        finally:
+    local = optim_rref.local_value()
+    params = local._local_params
+    got = param_grads(set(params), ctx_id)
+    try:
+        if functional:
+            local.optim.step([got.get(p) for p in params])
+            return
+        with _LocalOptimizer.global_lock:  # as torch's own step: one step at a time on this process
             for p in params:
-                p.grad = None
+                p.grad = got.get(p)
+            try:
+                local.optim.step()
+            finally:
+                for p in params:
+                    p.grad = None
+    finally:
+        drop_beside(ctx_id, params)

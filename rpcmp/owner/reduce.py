@@ -73,13 +73,39 @@ import torch.distributed.autograd as dist_autograd
 from ..errors import StageError
 from ..core.microbatch import tensors
 
-__all__ = ["StepMerge", "StepReduce", "param_grads"]
+__all__ = ["StepMerge", "StepReduce", "param_grads", "drop_beside"]
+
+
+# [Note: a parameter the first micro-batch did not reach]
+# The optimizer reads a step's gradients from the first micro-batch's context, into which the others'
+# are added. A parameter that micro-batch 0 did not reach and a later one did (a mixture of experts
+# whose router gave an expert no token of micro-batch 0, a branch only some inputs take) has no entry
+# there, and a context takes no new entry from Python. Its sum is kept beside the context instead
+# (``_BESIDE``, by the first context's id, in micro-batch order as every merge): everything that reads
+# the step's gradients on the owner reads them through :func:`param_grads` (the clipping norm, the fp16
+# unscale, a shared parameter's sum, the replicas' average) and so does the optimizer step
+# (:func:`rpcmp.owner.grads.local_step`), which lets them go. A parameter no micro-batch reached has no
+# gradient, and the optimizer leaves it alone, as the unsplit model's does.
+_BESIDE: dict[int, dict[torch.Tensor, torch.Tensor]] = {}
 
 
 def param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
-    """Context ``ctx_id``'s gradients of ``params`` (not of inputs that needed one while tracing);
-    the context's own tensors, so adding into them changes what the optimizer reads."""
-    return {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
+    """Context ``ctx_id``'s gradients of ``params`` (a set or dict of parameters; not of inputs that needed
+    one while tracing), and those kept beside it; the tensors themselves, so adding into them changes what the
+    optimizer reads."""
+    got = {p: g for p, g in dist_autograd.get_gradients(ctx_id).items() if p in params}
+    got.update((p, g) for p, g in _BESIDE.get(ctx_id, {}).items() if p in params)
+    return got
+
+
+def drop_beside(ctx_id: int, params=None) -> None:
+    """Let go of the gradients kept beside context ``ctx_id`` (of ``params`` only, where given)."""
+    beside = _BESIDE.get(ctx_id)
+    if beside is not None and params is not None:
+        for p in params:
+            beside.pop(p, None)
+    if not beside:
+        _BESIDE.pop(ctx_id, None)
 
 
 class StepMerge:
@@ -160,16 +186,11 @@ class StepMerge:
     def _merge(self, i: int) -> None:
         try:
             base, more = self._grads(0), self._grads(i)
-            if any(p not in base for p in more):
-                name = next(n for n, p in zip(self.names, self.params) if p in more and p not in base)  # module order
-                raise StageError(
-                    f"{self.where}: parameter {name} got a gradient from micro-batch {i} of the step but none "
-                    f"from micro-batch 0. rpcmp sums a step's micro-batches into the first one's gradients, and the "
-                    f"optimizer would skip a parameter that the first did not reach. A model whose micro-batches "
-                    f"reach different parameters (a mixture of experts whose router gives an expert no token of the "
-                    f"first micro-batch, a branch some inputs take) trains with Job(microbatches=1)")
             for param, grad in more.items():
-                base[param].add_(grad)
+                if param in base:
+                    base[param].add_(grad)
+                else:  # see [Note: a parameter the first micro-batch did not reach]
+                    base[param] = _BESIDE.setdefault(self.contexts[0], {})[param] = grad
         except Exception as exc:  # noqa: BLE001 - reported by the master's last word on the step
             self.error = exc
 
