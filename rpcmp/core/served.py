@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +129,8 @@ class Served:
         # or drained (rpcmp/launch/drain.py); and, in a daemon job, the drain requests to look at between steps
         self.lost: set[str] = set()
         self.buried: list = []  # on the master: handles of things on lost processes, never let go (see keep_lost)
+        # this process's local optimizer of each pipeline (see [Note: no handle of a third process] in rpcmp/owner/state.py)
+        self.optimizers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.ended: set[str] = set()  # on the master: the workers that heard the run end normally (see [Note: an end told])
         self.watches: list = []  # on a worker: the master's watch calls, pending (see [Note: a death seen at once])
         self.watching: dict[str, set[int]] = {}  # on the master: the processes it watches, and for which pipelines

@@ -162,7 +162,7 @@ class LiveCopies:
         theirs = {r.owner().name: r for r in source.optimizer.remote_optimizers}
         for n, k in enumerate(stages):
             rpc.rpc_sync(pipe.owners[k], owner_move.take_stage, args=(pipe.pid, k, source.owners[k],
-                                                                     theirs.get(source.owners[k]), built and n == 0,
+                                                                     source.owners[k] in theirs, built and n == 0,
                                                                      source.pid, built))
         if source.scheduler is not None:
             pipe.load_scheduler_state(source.scheduler_state())

@@ -29,11 +29,12 @@ from ..errors import JobError, PlacementError, WorkerLostError
 from ..owner import grads
 from ..owner import move as owner_move
 from ..owner import stage
+from ..owner import state as stage_state
 from ..plan.placement import Place
 from .sync import LocalMerge
 
 __all__ = ["move_stage", "parse_target", "build_on", "build_many", "install", "new_optimizer", "warm", "held_handles",
-           "restore_handles"]
+           "restore_handles", "register_optimizers"]
 
 
 def parse_target(target: str) -> Place:
@@ -72,7 +73,7 @@ def move_stage(pipe, index: int, target: str, copy_of: bool = False, replica: in
     try:  # nothing is final before the old owner drops its copy: see [Note: a target lost late]
         built = build_on(pipe, index, new, owners)
         rpc.rpc_sync(new.process, owner_move.take_stage, args=(pipe.pid, index, old.process,
-                                                              old_optims.get(old.process), alone))
+                                                              old.process in old_optims, alone))
         pipe.places[index], pipe.owners[index] = new, new.process
         install(pipe, index, new, built)
         new_optimizer(pipe, old_optims, {old.process, new.process})
@@ -196,6 +197,14 @@ class _Optimizer(DistributedOptimizer):
     def step(self, context_id):
         wait_all([rpc.rpc_async(o.owner(), grads.local_step, args=(o, context_id, self.is_functional_optim))
                   for o in self.remote_optimizers])
+
+
+def register_optimizers(pipe) -> None:
+    """Each owner learns its local optimizer of ``pipe`` (see [Note: no handle of a third process] in
+    rpcmp/owner/state.py); a new one learns it as it adopts the old one's state."""
+    if pipe.optimizer is not None:
+        wait_all([rpc.rpc_async(r.owner(), stage_state.register_optimizer, args=(pipe.pid, r))
+                  for r in pipe.optimizer.remote_optimizers])
 
 
 def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:

@@ -140,6 +140,7 @@ class Pipeline(PipelineState):
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn, _ in built)
         cls, kwargs = self.optimizer_spec = optimizer or job.optimizer
         self.optimizer = move.distributed_optimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
+        move.register_optimizers(self)
         self.param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.nonfinite = NonFinite(job.nonfinite)
         self.gradients = GradientPolicy(job.precision == "fp16", job.clip_grad_norm)

@@ -84,7 +84,7 @@ def recut(pipe, cut, copy_of: bool = False, before_commit=None) -> float:
     try:
         built = build_many(pipe, {k: pipe.places[k] for k in range(len(specs)) if not same[k]}, owners)
         wait_all([rpc.rpc_async(owners[k], owner_move.gather_stage,
-                                args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), optims,
+                                args=(pipe.pid, k, old_pid, _sources(old_specs, specs[k], owners), set(optims),
                                       _aliases(pipe.job)))
                   for k in built])
         for k, b in built.items():

@@ -62,22 +62,23 @@ def export_stage(pid: int, index: int, optim_rref, rng: bool, copy: bool = False
     module, prefix = host.module, host.spec.prefix
     wanted = (lambda n: True) if only is None else (lambda n: prefix + n in only)
     names = {prefix + n for n, _ in module.named_parameters() if wanted(n)}
-    optim = stage_state.optimizer_state(pid, optim_rref, names, copy=copy) if optim_rref is not None else {}
+    local = stage_state.local_optimizer(pid, optim_rref)
+    optim = stage_state.optimizer_state(pid, optim_rref, names, copy=copy) if local is not None else {}
     return {"params": {n: stage_state.on_host(p, copy) for n, p in module.named_parameters() if wanted(n)},
             "buffers": {n: stage_state.on_host(b, copy) for n, b in module.named_buffers() if wanted(n)},
-            "optimizer": optim, "fields": read_fields(optim_rref.local_value().optim) if optim_rref is not None else {},
+            "optimizer": optim, "fields": read_fields(local.optim) if local is not None else {},
             "training": module.training, "rng": stage_state.rng_state() if rng else None,
             "counters": {k: getattr(host, k) for k in _COUNTERS}, "prefix": host.spec.prefix}
 
 
-def take_stage(pid: int, index: int, source: str, optim_rref, rng: bool, source_pid: int | None = None,
+def take_stage(pid: int, index: int, source: str, optimizer: bool, rng: bool, source_pid: int | None = None,
                counters: bool = True) -> None:
     """Fill the stage ``index`` here (just built; or, not ``counters``, a stage that keeps the figures it
     counted) with the values of its copy on ``source`` (of pipeline ``source_pid``: another copy of a
-    replicated pipeline; default ``pid``)."""
+    replicated pipeline; default ``pid``), and, with ``optimizer``, its optimizer state there."""
     host = current().host(pid, index)
-    got = rpc.rpc_sync(source, export_stage, args=(pid if source_pid is None else source_pid, index, optim_rref, rng),
-                       timeout=host.timeout)
+    got = rpc.rpc_sync(source, export_stage, args=(pid if source_pid is None else source_pid, index,
+                                                   True if optimizer else None, rng), timeout=host.timeout)
     fill_stage(host, got, f"moving stage {index} ({host.spec.name}) from {source} to {rpc.get_worker_info().name}",
                counters=counters)
 
@@ -113,11 +114,11 @@ def fill_stage(host, got: dict[str, Any], where: str, counters: bool = True, cop
     host.moved_optimizer = (optim, got["fields"])  # taken by adopt_optimizer
 
 
-def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int]], optims: dict,
+def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int]], optims: set[str],
                  aliases: dict[str, tuple[str, ...]] | None = None) -> None:
     """Fill the stage ``index`` just built here (a re-cut: other layers than before) with the tensors it
     now holds, by the unsplit model's names, from the old stages that held them (``sources``: process ->
-    old stage indices of pipeline ``old_pid``; ``optims``: their local optimizers, by process;
+    old stage indices of pipeline ``old_pid``; ``optims``: the processes with a local optimizer;
     ``aliases``: the other names of a parameter held under several, as a tied head is)."""
     host = current().host(pid, index)
     prefix, aliases = host.spec.prefix, aliases or {}
@@ -128,7 +129,8 @@ def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int
     got: dict[str, Any] = {"fields": {}, "training": True, "rng": None, "counters": {}}
     for process, olds in sources.items():
         for j in olds:
-            part = rpc.rpc_sync(process, export_stage, args=(old_pid, j, optims.get(process), False, False, wanted),
+            part = rpc.rpc_sync(process, export_stage, args=(old_pid, j, True if process in optims else None, False,
+                                                             False, wanted),
                                 timeout=host.timeout)
             for kind in ("params", "buffers"):
                 found[kind].update({part["prefix"] + n: t for n, t in part[kind].items()})
@@ -207,6 +209,7 @@ def adopt_optimizer(pid: int, new_rref, old_rref) -> int:
     """This process's new local optimizer takes the state of its parameters: from the old local
     optimizer for the stages that stayed (the same tensors), by name from what a moved stage
     brought; and the fields (learning rate, ...) the old one had. Returns the parameters with state."""
+    stage_state.register_optimizer(pid, new_rref)
     new = new_rref.local_value().optim
     fields = None
     if old_rref is not None:

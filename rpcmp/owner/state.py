@@ -75,11 +75,35 @@ def load_state_dict(pid: int, index: int, state: dict[str, torch.Tensor]) -> Non
     host.module.load_state_dict(own, strict=True)
 
 
+# [Note: no handle of a third process]
+# An owner that takes a stage from another owner (a move, a re-cut, a live copy's refill) asks that owner
+# for the stage's optimizer state too. It used to pass on the master's RRef of that owner's local
+# optimizer; an RRef an owner receives is a user of it, and when the call ended the owner told the RRef's
+# owner it let go, a message torch retries and then, when that owner has died meanwhile, ends the process
+# with `terminate called ... The RPC has not succeeded after the specified number of max retries`: a lost
+# owner took a second process with it, 8 s later, and a run that spares could have saved ended. Owners now
+# name it by ``True`` (this process's local optimizer of that pipeline, kept here by pipeline id as the
+# master's calls made or adopted it, weakly) and hold no RRef of any process but their own.
+def register_optimizer(pid: int, optim_rref) -> None:
+    """This process's local optimizer of pipeline ``pid`` is ``optim_rref``'s (see the Note above)."""
+    current().optimizers[pid] = optim_rref.local_value()
+
+
+def local_optimizer(pid: int, handle):
+    """The local optimizer (``.optim``: the optimizer) that ``handle`` names: its RRef (the master's calls), True
+    (this process's of pipeline ``pid``: another owner's call), or None (none)."""
+    if handle is None:
+        return None
+    if handle is True:
+        return current().optimizers.get(pid)
+    return handle.local_value()
+
+
 def optimizer_state(pid: int, optim_rref, only: set[str] | None = None,
                      copy: bool = True) -> dict[str, dict[str, torch.Tensor]]:
     """This process's optimizer state (of parameters named in ``only``, if given), keyed by
     the unsplit model's parameter names, on the CPU (without ``copy``: the live tensors of CPU stages)."""
-    optim = optim_rref.local_value().optim
+    optim = local_optimizer(pid, optim_rref).optim
     names = named_params(pid)
     return {names[p]: {k: on_host(v, copy) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
             for p, st in optim.state.items() if p in names and (only is None or names[p] in only)}

@@ -1,8 +1,9 @@
 """tests/jobs/three.py (or the job ``SLOW_SPARE_OF`` names: ``replicated_dies``) where the process ``SLOW_BUILD_ON``
 names (in the environment; unset: none), once asked to build a stage (or, with ``SLOW_AT=restore``, to take a
 snapshot's values into it; ``take_stage``: a live copy's; ``adopt_optimizer``, ``set_routes``: the last calls of a
-move, after the stage came), writes its process id to the file ``BUILDING`` names and sleeps 60 s first: a test kills
-a spare while it takes over a lost owner's stage, or a drained one's."""
+move, after the stage came; ``gather_stage``: a re-cut's new part taking its tensors), writes its process id to the
+file ``BUILDING`` names and sleeps ``SLOW_S`` seconds (60 unless set) first: a test kills a spare while it takes over a
+lost owner's stage, or a drained one's, or kills another process meanwhile."""
 import importlib
 import os
 import time
@@ -25,7 +26,7 @@ def _slow(*args, **kwargs):
         with open(os.environ["BUILDING"] + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(os.environ["BUILDING"] + ".tmp", os.environ["BUILDING"])
-        time.sleep(60)
+        time.sleep(float(os.environ.get("SLOW_S", "60")))
     return _real(*args, **kwargs)
 
 
