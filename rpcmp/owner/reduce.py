@@ -101,10 +101,9 @@ def param_grads(params, ctx_id: int) -> dict[torch.Tensor, torch.Tensor]:
 def drop_beside(ctx_id: int, params=None) -> None:
     """Let go of the gradients kept beside context ``ctx_id`` (of ``params`` only, where given)."""
     beside = _BESIDE.get(ctx_id)
-    if beside is not None and params is not None:
-        for p in params:
-            beside.pop(p, None)
-    if not beside:
+    for p in params if beside is not None and params is not None else ():
+        beside.pop(p, None)
+    if params is None or not beside:
         _BESIDE.pop(ctx_id, None)
 
 
