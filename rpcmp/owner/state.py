@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..core.served import current
+from ..errors import StageError
 from .stage import named_params
 
 __all__ = ["on_host", "state_meta", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
@@ -95,7 +96,11 @@ def local_optimizer(pid: int, handle):
     if handle is None:
         return None
     if handle is True:
-        return current().optimizers.get(pid)
+        found = current().optimizers.get(pid)
+        if found is None:  # its state would be left behind without a word
+            raise StageError(f"{current().me}: no local optimizer of pipeline {pid} is known here (it holds the state "
+                             f"of the stage asked for)")
+        return found
     return handle.local_value()
 
 
