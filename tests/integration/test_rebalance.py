@@ -130,8 +130,9 @@ def test_an_owner_lost_while_another_gathers_its_new_part_from_it_costs_that_own
     """worker1 takes layers of worker2's stage in a re-cut (tests/jobs/slow_spare.py holds it 3 s as it starts);
     worker2 is SIGKILLed meanwhile. worker1's call fails, and nothing of it may take worker1 down after: owners
     hold no RRef of another process (see [Note: no handle of a third process] in rpcmp/owner/state.py), whose
-    release torch retries and then ends the process (seen once, in the test above: terminate called ... max
-    retries, 9 s after the kill; the run lasts that long here). The re-cut is undone, the spare takes over
+    release torch retries and then ends the process (seen once, in a clean-clone run of
+    test_an_owner_lost_as_the_run_measures_or_re_cuts_itself_...: terminate called ... max retries, 9 s after the
+    kill; the run here lasts that long). The re-cut is undone, the spare takes over
     worker2's stage and the run ends with the model of the same run left alone."""
     plain = run_command(*_command(tmp_path / "plain", "--spares", "1", job="uneven", steps=150), timeout=240)
     assert plain.returncode == 0, plain.stdout + plain.stderr

@@ -10,6 +10,7 @@ import rpcmp
 from helpers import assert_close_f32, batches, train_reference
 from rpcmp.train.trainer import fit
 from rpcmp.core.served import current, serve
+from rpcmp.owner import reduce
 
 @pytest.fixture
 def job(world):
@@ -275,8 +276,7 @@ def test_a_parameter_the_first_micro_batch_did_not_reach_trains_as_in_the_unspli
     pipe.close()
     assert_close_f32(got, want)
     assert_close_f32(state, model.state_dict())
-    from rpcmp.owner.reduce import _BESIDE
-    assert not _BESIDE  # the optimizer let them go
+    assert not reduce._BESIDE  # the optimizer let them go
 
 
 def _tied_layers():
