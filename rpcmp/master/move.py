@@ -34,7 +34,7 @@ from ..plan.placement import Place
 from .sync import LocalMerge
 
 __all__ = ["move_stage", "parse_target", "build_on", "build_many", "install", "new_optimizer", "warm", "held_handles",
-           "restore_handles", "register_optimizers"]
+           "restore_handles", "register_optimizers", "route"]
 
 
 def parse_target(target: str) -> Place:
@@ -77,7 +77,7 @@ def move_stage(pipe, index: int, target: str, copy_of: bool = False, replica: in
         pipe.places[index], pipe.owners[index] = new, new.process
         install(pipe, index, new, built)
         new_optimizer(pipe, old_optims, {old.process, new.process})
-        wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
+        route(pipe, owners)
     except Exception as exc:  # noqa: BLE001 - the stage stays where it was; a lost target is said so
         lost = unresponsive([new.process], timeout=3.0)
         if lost:
@@ -104,7 +104,12 @@ def _put_back(pipe, index: int, place: Place, handles: tuple) -> None:
     current().keep_lost([pipe.stages[index].module_rref, *pipe.stage_rrefs[index]])
     pipe.places[index], pipe.owners[index] = place, place.process
     restore_handles(pipe, handles)
-    wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, pipe.owners)) for o in sorted(set(pipe.owners))])
+    route(pipe, pipe.owners)
+
+
+def route(pipe, owners: list[str]) -> None:
+    """Every one of ``owners`` sends ``pipe``'s values on to the stages' owners as ``owners`` places them."""
+    wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
 
 
 def held_handles(pipe) -> tuple:

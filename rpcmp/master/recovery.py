@@ -45,11 +45,10 @@ from ..core.futures import wait_all
 from ..core.health import reason, unresponsive
 from ..core.checkpoint import CheckpointError, load_checkpoint
 from ..core.served import current
-from ..owner import move as owner_move
 from ..owner import snapshot
 from ..owner import state as stage_state
 from ..plan.placement import MASTER, Place
-from .move import build_on, install, new_optimizer
+from .move import build_on, install, new_optimizer, route
 
 __all__ = ["Snapshots", "RolledBack", "cannot_replace", "rebuild_on_spare", "install_rebuilt"]
 
@@ -333,7 +332,7 @@ def rebuild_on_spare(pipe, gone: str, spare: str, stages: list[int], empty: bool
     built = {k: build_on(pipe, k, places[k], owners, empty=empty) for k in stages}
     for k in stages:
         pipe.places[k], pipe.owners[k] = places[k], spare
-    wait_all([rpc.rpc_async(o, owner_move.set_routes, args=(pipe.pid, owners)) for o in sorted(set(owners))])
+    route(pipe, owners)
     pipe.resync()  # every gate waits for the pipeline's next micro-batch
     return built
 

@@ -6,6 +6,7 @@ norm for clipping, the scaling it decides, and the gradients of a parameter that
 from __future__ import annotations
 
 import torch
+from torch.distributed.optim.optimizer import _LocalOptimizer
 
 from ..errors import StageError
 from ..core.failure import Failure
@@ -131,7 +132,6 @@ def local_step(optim_rref, ctx_id: int, functional: bool) -> None:
     optimizer is handed them, None where a parameter has none; a torch.optim one finds them in ``.grad``, None
     where a parameter has none, and None again after the step (see [Note: a parameter a step did not reach]
     in rpcmp/master/move.py)."""
-    from torch.distributed.optim.optimizer import _LocalOptimizer
     local = optim_rref.local_value()
     params = local._local_params
     got = param_grads(set(params), ctx_id)
