@@ -6,8 +6,8 @@ Declare stages in a job file, then launch it::
     torchrun --nnodes=3 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 \\
         -m rpcmp.master examples/unet_split/job.py
 """
-from .errors import (CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NetworkError, NonFiniteLossError,
-                     PartitionError, PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError, WorkerLostError)
+from .errors import (CallTimeoutError, CheckpointError, CheckpointWriteError, JobError, LaunchError, MicroBatchError, NetworkError,
+                     NonFiniteLossError, PartitionError, PlacementError, RpcmpError, RunAbortedError, StageError, StageOutputError, WorkerLostError)
 import importlib
 
 # Imported on first use: `rpcmp run` starts its fork server before this process imports torch.
@@ -30,5 +30,6 @@ __all__ = [
     "Job", "Split", "SplitAt", "Pipeline", "load_job",
     "RpcmpError", "JobError", "NonFiniteLossError", "PartitionError", "PlacementError", "MicroBatchError", "StageError", "StageOutputError",
     "WorkerLostError", "CheckpointError", "CheckpointWriteError", "LaunchError", "RunAbortedError", "NetworkError",
+    "CallTimeoutError",
 ]
 __version__ = "0.1.0"

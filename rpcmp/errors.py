@@ -72,5 +72,9 @@ class WorkerLostError(StageError):
     """A worker died, hung or became unreachable."""
 
 
+class CallTimeoutError(RpcmpError, RuntimeError):
+    """A call between processes ran past ``Job.rpc_timeout`` while every process still answers."""
+
+
 class NetworkError(RpcmpError, RuntimeError):
     """The network setup cannot work; the message says why and what to change."""

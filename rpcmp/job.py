@@ -72,7 +72,9 @@ class Job:
     seed: int = 0
     threads: int | None = None  # intra-op threads per process; None: cores / processes on the node
     transport: str = "uv"  # TensorPipe transport: "uv" (TCP) or "shm" (busy-polls; see README)
-    rpc_timeout: float = 60.0
+    # seconds a call between processes may run before it fails; None: 60 with spares (how a silent worker on
+    # another host is found and replaced), else 1800 (see [Note: a paused job goes on])
+    rpc_timeout: float | None = None
     nonfinite: str = "stop"  # NaN/inf loss: "stop" with an error, or "skip" the update with a warning
     hang_timeout: float = 20.0  # a worker silent this long ends the job (0: never; a dead one is seen at once)
     trace_file: str | None = None  # pipeline mode: Chrome-trace JSON of steps 2-4 (see rpcmp/train/timeline.py)
@@ -141,10 +143,33 @@ class Job:
                 raise JobError(f"Job.scheduler must be (torch.optim.lr_scheduler.<Class>, {{kwargs}}) stepped once "
                                f"per optimizer step (ReduceLROnPlateau is not supported), got {self.scheduler!r}")
             self.scheduler = (scls, skw)
+        self._check_optional_numbers()
+
+    def _check_optional_numbers(self) -> None:
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
             raise JobError(f"Job.clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise JobError(f"Job.threads must be None or a positive integer, got {self.threads!r}")
+        if self.rpc_timeout is not None and not (isinstance(self.rpc_timeout, (int, float)) and self.rpc_timeout > 0):
+            raise JobError(f"Job.rpc_timeout must be None (the default) or a positive number of seconds, got "
+                           f"{self.rpc_timeout!r}")
+
+    # [Note: a paused job goes on]
+    # A process stopped and continued (Ctrl-Z and fg, SIGSTOP and SIGCONT, a frozen and thawed container)
+    # finds, when it runs again, every call it had in flight past its deadline: TensorPipe's deadlines run on
+    # the monotonic clock, which a stopped process's clock keeps counting. With the old 60 s for every call,
+    # a job stopped for a minute failed its step when continued ("RPC ran for more than set timeout"), though
+    # every process answered. A silent worker is found by the watchdog's pings (Job.hang_timeout, in
+    # rpcmp/core/health.py), which are sent afresh after a pause; so without spares the calls get 30
+    # minutes, a bound that is left only to catch a call that never ends. With spares the RPC timeout is
+    # also how a silent worker on another host is found (it cannot be killed from here), and it stays 60 s.
+    # A call that does run out while every process answers says so (health.explain) and names this field.
+    @property
+    def call_timeout(self) -> float:
+        """``rpc_timeout``, or its default (see [Note: a paused job goes on])."""
+        if self.rpc_timeout is not None:
+            return float(self.rpc_timeout)
+        return 60.0 if self.spares else 1800.0
 
 
 def _optimizer(value: Any) -> tuple[Any, dict]:

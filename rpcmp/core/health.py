@@ -15,13 +15,14 @@ With spares (``Job(spares=K)``, ``fence=True``) the watchdog does not end the ru
 the process id it said at start), so that its connections close, the step in flight fails
 at once and the master replaces it (see [Note: recovery from a lost owner] in
 :mod:`rpcmp.master.recovery`). A silent worker on another host cannot be killed from here:
-its calls fail when the RPC timeout (``Job.rpc_timeout``) runs out, and the same recovery follows.
+its calls fail when the RPC timeout (``Job.rpc_timeout``: 60 s with spares) runs out, and the same recovery follows.
 """
 from __future__ import annotations
 
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import sys
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from ..errors import StageError, WorkerLostError
+from ..errors import CallTimeoutError, StageError, WorkerLostError
 from .served import RunStatus, current
 
 __all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unless_lost", "unresponsive", "watch",
@@ -171,7 +172,11 @@ def explain(exc: BaseException, processes, status: RunStatus, timeout: float = 3
     except Exception:  # noqa: BLE001 - the agent itself may be going down
         lost = []
     if not lost:
-        return exc
+        ran = re.search(r"ran for more than set timeout \((\d+) ms\)", str(exc))
+        return exc if ran is None else CallTimeoutError(status.say(
+            f"a call between processes ran past its timeout ({int(ran[1]) / 1000:.0f} s, Job.rpc_timeout), yet every "
+            f"process answers: the job was stopped and continued (SIGSTOP, Ctrl-Z, a frozen container) for longer "
+            f"than that, or a call waited that long. A larger Job.rpc_timeout lets a paused job go on"))
     return WorkerLostError(status.describe(lost, f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
 
 

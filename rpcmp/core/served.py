@@ -41,14 +41,17 @@ class RunStatus:
     def describe(self, lost: list[str], how: str) -> str:
         """One sentence naming the ``lost`` processes, what they held, when, and what to do."""
         who = ", ".join(f"{p} ({', '.join(self.stages.get(p, ['no stage']))})" for p in lost)
-        look = "Look at that process's log or node (killed? out of memory? network?)"
+        return self.say(f"{who} {how}. Look at that process's log or node (killed? out of memory? network?)")
+
+    def say(self, what: str) -> str:
+        """``what`` happened: with the task, or the step and the checkpoint to resume from."""
         if self.task:
-            return f"{self.task}: {who} {how}. {look}"
+            return f"{self.task}: {what}"
         ckpt = (f"The last checkpoint is {self.checkpoint}: rerun with --resume to continue from it"
                 if self.checkpoint else f"No checkpoint was written in {self.checkpoint_dir} yet"
                 if self.checkpoint_dir else "No checkpoint was written yet (--checkpoint-dir DIR to keep progress)")
         when = f"at step {self.step}" if self.step else "before the first step"
-        return f"{when}: {who} {how}. {look}. {ckpt}"
+        return f"{when}: {what}. {ckpt}"
 
 
 class Awaited:

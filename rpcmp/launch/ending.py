@@ -99,7 +99,8 @@ def _outcome(ok: bool, graceful: bool = True) -> None:
 # still held (100 s) and the agent's join, every worker of a run longer than about three minutes left,
 # mid-step (the master then failed with EPIPE). The worker now waits for the master's word without a
 # bound and pings the master every few seconds, so that it still leaves when the master is gone: a
-# killed master fails the ping at once, a stopped one after Job.rpc_timeout. Only then does it enter
+# killed master fails the ping at once, a stopped one after Job.rpc_timeout (30 minutes without spares,
+# so that a paused job goes on: [Note: a paused job goes on] in rpcmp/job.py). Only then does it enter
 # the shutdown, whose barrier the master reaches within moments (or which fails, and the worker
 # exits 1: [Note: every rank says how the job ended]).
 def serve_until_told(served, timeout: float, every: float = 2.0) -> None:

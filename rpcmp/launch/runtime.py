@@ -172,7 +172,7 @@ def _backend_options(job: Job, world_size: int) -> rpc.TensorPipeRpcBackendOptio
     threads = max(16, 4 * job.microbatches + 8)
     return rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=threads,
-        rpc_timeout=job.rpc_timeout,
+        rpc_timeout=job.call_timeout,
         _transports=[job.transport],
         # "basic" moves tensor bytes over the transport itself; measured against "cma" and
         # "mpt_uv" on the 2-stage MLP it was as fast or faster, and it works across nodes.
@@ -213,7 +213,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
                 watchdog.start()
             result = main(job, world_size)
         elif rank != 0:
-            serve_until_told(served, job.rpc_timeout)  # see [Note: a worker serves until the master's word] in .ending
+            serve_until_told(served, job.call_timeout)  # see [Note: a worker serves until the master's word] in .ending
     except BaseException as exc:  # shut the world down, then re-raise
         error = exc
     finally:
@@ -235,7 +235,7 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
     _fresh_store_prefix(attempt)
     options = _backend_options(job, world_size)
     if Topology.needs_nodes(job):  # the grid follows the nodes: see [Note: replicas of a pipeline]
-        served.nodes = share_nodes(rank, world_size, max(60.0, job.rpc_timeout), attempt, env.node_rank)
+        served.nodes = share_nodes(rank, world_size, max(60.0, job.rpc_timeout or 0.0), attempt, env.node_rank)
     topology = served.topology = Topology.of(job, world_size, nodes=served.nodes)  # [Note: one topology per run]
     for peer, mapping in ((p, m) for places in topology.grid if job.device_maps
                           for p, m in device_maps_for(places, process_name(rank)).items()):

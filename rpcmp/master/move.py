@@ -141,7 +141,7 @@ def build_many(pipe, places: dict, owners: list[str], empty: bool = True) -> dic
     """:func:`build_on` for several stages (``places``: index -> place) at once, each on its process."""
     def options(k):
         nxt = owners[k + 1] if k + 1 < len(owners) else None
-        return (pipe.pid, pipe.specs[k], places[k], nxt, pipe.job.rpc_timeout,
+        return (pipe.pid, pipe.specs[k], places[k], nxt, pipe.job.call_timeout,
                 {**pipe.build_options, "owners": owners, "empty": empty})
     built = dict(zip(places, wait_all([rpc.rpc_async(p.process, stage.build, args=options(k)) for k, p in places.items()])))
     raise_failures(list(built.values()))

@@ -120,8 +120,8 @@ class Pipeline(PipelineState):
             # A build may trace the model and draw every initial value of its stage: minutes for a large one or on a
             # busy node, so not the per-call timeout (a GPT-2 traced by five processes beside a test suite took 60 s).
             # A lost owner still fails it at once (its connection closes).
-            futs.append(rpc.rpc_async(place.process, stage.build, args=(self.pid, spec, place, nxt, job.rpc_timeout,
-                                                                        options), timeout=max(job.rpc_timeout, 900.0)))
+            futs.append(rpc.rpc_async(place.process, stage.build, args=(self.pid, spec, place, nxt, job.call_timeout,
+                                                                        options), timeout=max(job.call_timeout, 900.0)))
         # a spare traces while the owners build: taking over a stage early in the run costs a build, not a trace too
         move.warm([process_name(r) for r in range(stage_world(job, world_size), world_size)], self.specs[0])
         # A worker lost while building is named; a stage that failed to build says so itself.

@@ -122,7 +122,7 @@ class Replicated:
     def __init__(self, job, world_size: int, pipeline_cls, status=None, sample: Any = None):
         self.job, self.copies = job, job.replicas
         grid = Topology.for_run(job, world_size).grid
-        self.meeting = ReplicaSync(self.copies, timeout=max(job.rpc_timeout, job.hang_timeout or 0) * 4)
+        self.meeting = ReplicaSync(self.copies, timeout=max(job.call_timeout, job.hang_timeout or 0) * 4)
         self._threads = ThreadPoolExecutor(self.copies, thread_name_prefix="rpcmp-replica")
         # One plan for every copy: the same cut points (Split(by="time") profiles once), and tracing
         # (torch.export) is not something two threads can do at once. The copies then build at once:

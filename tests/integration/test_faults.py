@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from helpers import Command, job_path, metric_steps, run_command
+from helpers import Command, assert_close_f32, job_path, metric_steps, run_command
 from rpcmp.core.checkpoint import latest_checkpoint, load_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -214,3 +214,56 @@ def test_with_a_spare_a_worker_lost_during_held_out_evaluation_is_replaced_and_t
     a, b = load_checkpoint(str(tmp_path / "hit")), load_checkpoint(str(tmp_path / "clean"))
     assert a["step"] == b["step"] == 40
     torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0)
+
+
+def _stopped_at(proc, metrics: str, steps: int) -> None:
+    """Stop every process of the run (as Ctrl-Z does a terminal's job) once ``steps`` steps are in its metrics."""
+    deadline = time.monotonic() + 90
+    while metric_steps(metrics) < steps:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGSTOP)
+
+
+@pytest.mark.timeout(240)
+def test_a_job_stopped_for_longer_than_a_minute_and_continued_goes_on_as_if_never_stopped(tmp_path):
+    """Every process of a run stopped mid-training for 65 s (Ctrl-Z, a frozen container), then continued: the run
+    ends 0 with the model of a run never stopped. Every call in flight had run past its deadline when the processes
+    ran again; with 60 s for every call the step failed ("RPC ran for more than set timeout"), exit 1. A run left
+    alone trains meanwhile, on the cores the stopped one leaves free."""
+    common = [job_path("three"), "--local", "4", "--max-steps", "120", "--hang-timeout", "10"]
+    metrics = str(tmp_path / "m.jsonl")
+    with _rpcmp_run(*common, "--checkpoint-dir", str(tmp_path / "stopped"), "--metrics", metrics) as proc:
+        _stopped_at(proc, metrics, 40)
+        stopped = time.monotonic()
+        alone = run_command("run", *common, "--checkpoint-dir", str(tmp_path / "alone"), timeout=120)
+        time.sleep(max(0.0, 65 - (time.monotonic() - stopped)))
+        os.killpg(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=90)
+    assert alone.returncode == 0, alone.stderr
+    assert proc.returncode == 0, err
+    a, b = load_checkpoint(str(tmp_path / "alone")), load_checkpoint(str(tmp_path / "stopped"))
+    assert a["step"] == b["step"] == 120
+    assert_close_f32(b["model"], a["model"])
+
+
+@pytest.mark.timeout(120)
+def test_a_job_stopped_past_its_rpc_timeout_says_so_and_where_to_resume(tmp_path):
+    """Stopped for 12 s with --rpc-timeout 5: the step fails, and the error says that every process answers, that
+    the job was stopped for longer than its calls may take, and which option to raise (a raw "RPC ran for more
+    than set timeout" traceback before); no process is left."""
+    metrics, ckpt = str(tmp_path / "m.jsonl"), str(tmp_path / "run")
+    with _rpcmp_run(job_path("three"), "--local", "4", "--max-steps", "400", "--rpc-timeout", "5", "--hang-timeout", "30",
+                    "--checkpoint-dir", ckpt, "--checkpoint-every", "20", "--metrics", metrics) as proc:
+        _stopped_at(proc, metrics, 30)
+        time.sleep(12)
+        os.killpg(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+        gone_by = time.monotonic() + 15
+        while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout and time.monotonic() < gone_by:
+            time.sleep(0.2)
+        left = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+    assert proc.returncode == 1, err
+    assert "CallTimeoutError" in err and "ran past its timeout (5 s, Job.rpc_timeout), yet every process answers" in err, err
+    assert "--resume" in err and latest_checkpoint(ckpt) is not None, err
+    assert not left, f"processes were left: {left}"

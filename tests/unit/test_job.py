@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,7 +47,17 @@ def test_job_file_without_job(tmp_path):
     ("max_steps", 0, "max_steps must be None or a positive integer"),
     ("batchnorm", "deferred", r"batchnorm must be 'batch' \(whole-batch statistics, exact\) or 'micro'"),
     ("precision", "fp8", "precision must be 'fp32', 'bf16' or 'fp16'"),
+    ("rpc_timeout", 0, r"rpc_timeout must be None \(the default\) or a positive number of seconds, got 0"),
 ])
 def test_job_validation(field, value, match):
     with pytest.raises(JobError, match=match):
         rpcmp.Job(stages=[torch.nn.Linear(1, 1)], **{field: value})
+
+
+def test_calls_may_take_30_minutes_without_spares_and_60_s_with_them_unless_set():
+    """See [Note: a paused job goes on]: a silent worker is found by the watchdog, not by the calls' deadline,
+    except on another host with spares."""
+    job = rpcmp.Job(stages=[torch.nn.Linear(1, 1)])
+    assert job.call_timeout == 1800.0
+    assert dataclasses.replace(job, spares=1).call_timeout == 60.0
+    assert dataclasses.replace(job, spares=1, rpc_timeout=300).call_timeout == 300.0
