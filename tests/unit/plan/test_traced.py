@@ -178,6 +178,24 @@ def test_split_points_are_modules_forward_calls_once_named_in_its_order(points, 
         plan_stages(job, torch.randn(4, 4))
 
 
+class _ByKey(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.b(self.a(batch["x"]))
+
+
+def test_a_batch_holding_what_is_not_a_tensor_is_refused_naming_it():
+    """A dataset's sample names, kept beside the tensors by the default collate (a list of str): the trace would
+    take the first batch's names as constants. It failed with "AttributeError: 'str' object has no attribute
+    'shape'" from inside rpcmp."""
+    job = rpcmp.Job(model=_ByKey, stages=rpcmp.SplitAt("b"), microbatches=2)
+    with pytest.raises(PartitionError, match=r"batch\['name'\]\[0\] is a str \('a'\).*Leave it out of the model's input"):
+        plan_stages(job, {"x": torch.randn(4, 4), "name": ["a", "b", "c", "d"]})
+
+
 def test_a_split_point_named_twice_is_refused_at_once():
     with pytest.raises(PartitionError, match=r"names \['h.2'\] more than once"):
         rpcmp.SplitAt("h.2", "h.4", "h.2")
