@@ -60,10 +60,12 @@ def _identity() -> tuple[int, str]:
     return os.getpid(), _host_id()
 
 
-def _pings(processes, timeout: float) -> dict[str, str | None]:
+def _pings(processes, timeout: float, again: bool = True) -> dict[str, str | None]:
     """Ping each process: None when it answered within ``timeout`` seconds, ``"silent"`` when it did
     not answer in time (hung, stopped, unreachable), ``"gone"`` when the call failed before that (its
-    connections closed: the process died)."""
+    connections closed: the process died). A ping that failed well after its deadline was not seen to
+    fail: this process was stopped meanwhile (see [Note: a paused job goes on] in rpcmp/job.py), and its
+    deadline ran out while it was; it is sent again, once."""
     sent = time.monotonic()
     done: dict[str, float] = {}
     futs = {}
@@ -76,8 +78,10 @@ def _pings(processes, timeout: float) -> dict[str, str | None]:
             fut.wait()
             out[p] = None
         except Exception:  # noqa: BLE001 - any failure to answer is the finding
-            out[p] = "gone" if done.get(p, time.monotonic()) - sent < 0.9 * timeout else "silent"
-    return out
+            took = done.get(p, time.monotonic()) - sent
+            out[p] = "gone" if took < 0.9 * timeout else "paused" if again and took > 1.5 * timeout + 2.0 else "silent"
+    paused = [p for p, why in out.items() if why == "paused"]
+    return {**out, **_pings(paused, timeout, again=False)} if paused else out
 
 
 # [Note: a death seen at once]

@@ -89,6 +89,23 @@ def test_a_ping_tells_a_dead_worker_from_a_silent_one(monkeypatch):
     assert health.unresponsive(["worker1", "worker2", "worker3"], 0.3) == ["worker1", "worker2"]
 
 
+def test_a_ping_that_failed_long_after_its_deadline_is_sent_again_once(monkeypatch):
+    """This process stopped while its pings were out (Ctrl-Z, SIGSTOP): when it runs again each has run past its
+    deadline and fails at once, seconds late. The peers were stopped too, and answer the next ping: that one says."""
+    calls = []
+
+    def rpc_async(to, fn, timeout):
+        calls.append(to)
+        fut = torch.futures.Future()
+        late = calls.count(to) == 1 or to == "worker2"  # worker2 is late twice: silent; worker1 answers again
+        threading.Timer(3.0 if late else 0.01, fut.set_exception if late else fut.set_result,
+                        (RuntimeError("RPC ran for more than set timeout"),) if late else (fn(),)).start()
+        return fut
+    monkeypatch.setattr(health.rpc, "rpc_async", rpc_async)
+    assert health._pings(["worker1", "worker2"], 0.3) == {"worker1": None, "worker2": "silent"}
+    assert sorted(calls) == ["worker1", "worker1", "worker2", "worker2"]
+
+
 @pytest.mark.parametrize("lost", ["dead", "hung"])
 def test_the_watchdog_leaves_a_dead_worker_to_the_master_for_a_while_and_ends_a_hung_one_at_once(monkeypatch, capfd, lost):
     _fake_world(monkeypatch, dead={"worker1"} if lost == "dead" else (), hung={"worker1"} if lost == "hung" else ())
