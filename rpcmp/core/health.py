@@ -296,7 +296,12 @@ class Heartbeats(threading.Thread):
         return out
 
     def run(self) -> None:
+        last = time.monotonic()
         while not self._halt.wait(self.interval):
+            now = time.monotonic()
+            if now - last > 3 * self.interval + 2.0:  # this process was stopped: so may the others have been
+                self._seen = {r: (count, now) for r, (count, _) in self._seen.items()}
+            last = now
             try:
                 self._beat()
                 lost = self.silent(self.timeout) if self.rank == 0 and self.timeout else []

@@ -43,6 +43,29 @@ def test_a_wall_clock_step_does_not_make_a_beating_rank_silent(store, monkeypatc
     _wait(lambda: watcher.silent(0.5) == [1])  # and a rank that stops beating is found
 
 
+def test_rank_0_stopped_with_the_others_and_continued_gives_them_a_fresh_window(store, monkeypatch):
+    """Every rank stopped for longer than the hang timeout (Ctrl-Z) and continued: rank 0's first look may come
+    before another rank's first beat; it must not end the job for a silence that was its own."""
+    exits = []
+    monkeypatch.setattr(health.os, "_exit", exits.append)
+    watcher = Heartbeats(0, 2, 2.0, store, RunStatus(), interval=0.05)
+    store.add("rpcmp/hb/1", 1)
+    assert watcher.silent(2.0) == []  # rank 1's count seen once
+    real, jump = time.monotonic, []
+    monkeypatch.setattr(health.time, "monotonic", lambda: real() + (100.0 if jump else 0.0))
+    watcher.start()
+    try:
+        time.sleep(0.3)
+        jump.append(True)  # 100 s pass at once, as for a stopped process; rank 1 beats 0.5 s after that
+        time.sleep(0.5)
+        store.add("rpcmp/hb/1", 1)
+        time.sleep(0.5)
+    finally:
+        watcher.stop()
+        watcher.join()
+    assert exits == []
+
+
 class FlakyStore:
     """A store that fails ``failures`` calls, then answers as the real one."""
 
