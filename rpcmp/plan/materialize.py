@@ -18,7 +18,9 @@ numbers stages 0 and 1 drew. ``build_part`` therefore runs the construction twic
    big as the largest of them. The construction code then initializes the scratch in
    place with the same calls on tensors of the same sizes, so it draws exactly the same
    random numbers, and the stage's tensors get exactly their unsplit values; afterwards
-   the scratch tensors are replaced by meta tensors.
+   the scratch tensors are replaced by meta tensors. A tensor of the stage made of scratch
+   (a parametrization's ``original``, which is the very tensor it replaced: ``weight_norm``)
+   gets memory of its own as it is registered, before the construction writes over it.
 
 Peak memory is the stage's tensors plus the largest other one. Exact for every model
 whose initialization writes a tensor in place after it is registered, or computes it
@@ -57,7 +59,7 @@ from torch import nn
 
 from ..errors import PartitionError
 
-__all__ = ["place_unused", "shared_params", "meta_model", "build_part", "build_whole", "tensor_names", "tensor_table", "set_tensor", "attach_tensor",
+__all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "tensor_table", "set_tensor", "attach_tensor",
            "graph_constants", "attribute", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
 
 _LOCAL = threading.local()  # the registration hooks act only in the thread that builds
@@ -291,7 +293,7 @@ def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
                 f"stages as modules")
         if any(keep(n) for n in names):
             scratch.slots.discard((id(module), name))  # a kept tensor replaced a scratch one there (a tied weight)
-            return t
+            return scratch.own(t)
         scratch.slots.add((id(module), name))
         return scratch.take(t)
 
@@ -311,6 +313,16 @@ class _Scratch:
         self.given: dict[int, torch.Tensor] = {}  # id of a scratch tensor -> it
         self.meta_of: dict[int, torch.Tensor] = {}
         self.slots: set[tuple[int, str]] = set()  # (id of a module, name) where scratch went in
+        self.storages = {b.untyped_storage().data_ptr() for b in self.buffers.values()}
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``, a tensor the stage keeps, in memory of its own if it is made of scratch: a parametrization
+        (``weight_norm``) registers its ``original`` as the very tensor it replaces, which was not the stage's
+        (its name is gone from the model) and went to scratch, which the construction then writes over."""
+        if t.device.type == "meta" or t.untyped_storage().data_ptr() not in self.storages:
+            return t
+        copy = t.detach().clone()
+        return nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else copy
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         if id(t) in self.given:  # tied: registered again under another name
@@ -319,6 +331,7 @@ class _Scratch:
         buf = self.buffers.get(t.dtype)
         if buf is None or buf.numel() < n:
             buf = self.buffers[t.dtype] = torch.empty(max(n, 1), dtype=t.dtype)
+            self.storages.add(buf.untyped_storage().data_ptr())
         view = buf[:n].view(t.shape)
         out = nn.Parameter(view, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else view
         self.given[id(out)] = out
@@ -352,49 +365,3 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-def place_unused(model: nn.Module, held: list[set[str]]) -> list[list[str]]:
-    """Where each parameter or buffer that no stage graph reads goes.
-
-    [Note: parameters forward does not use]
-    A traced stage holds what its graph reads; a tensor ``forward`` never reads (a pooler, a
-    positional table another configuration uses) is in no graph, yet it is part of the model and
-    of its ``state_dict``. It is kept, with the stage that holds the same tensor under another
-    name (a tied alias), else with the stage that holds its nearest relative by name (its module's
-    other tensors), else with the first stage; it gets no gradient, so no optimizer moves it, and
-    checkpoints carry it as the plain model's do."""
-    names = tensor_names(model)
-    placed: list[list[str]] = [[] for _ in held]
-    for group in names.values():
-        for name in group:
-            if any(name in h for h in held):
-                continue
-            twin = next((i for i, h in enumerate(held) if any(n in h for n in group)), None)
-            placed[twin if twin is not None else _nearest(name, held)].append(name)
-    return placed
-
-
-def _nearest(name: str, held: list[set[str]]) -> int:
-    def common(a: str, b: str) -> int:
-        n = 0
-        for x, y in zip(a.split("."), b.split(".")):
-            if x != y:
-                break
-            n += 1
-        return n
-    scores = [max((common(name, h) for h in names), default=0) for names in held]
-    return scores.index(max(scores)) if max(scores) else 0
-
-
-def shared_params(model: nn.Module, held: list[set[str]]) -> list[tuple[tuple[str, str], ...]]:
-    """For each stage: (its name, the unsplit model's first name) of every parameter it shares with
-    another stage (see [Note: a parameter shared by stages] in rpcmp/master/tied.py)."""
-    params = {id(p) for p in model.parameters()}
-    out: list[list[tuple[str, str]]] = [[] for _ in held]
-    for key, group in tensor_names(model).items():
-        holders = {i: next(n for n in group if n in h) for i, h in enumerate(held) if any(n in h for n in group)}
-        if key in params and len(holders) > 1:
-            for i, name in holders.items():
-                out[i].append((name, group[0]))
-    return [tuple(t) for t in out]

@@ -30,8 +30,8 @@ import torch.utils._pytree as pytree
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
 from .materialize import (COMPILED, attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
-                          meta_model, place_unused, read_constant, set_constant, set_tensor, shared_params,
-                          tensor_names, tensor_table)
+                          meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
+from .placement import place_unused, shared_params
 from .graphs import forget_trace, place_graph
 from .strange import refuse_strange
 from .export import traces

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch import nn
 
 from ..errors import PlacementError
+from .materialize import tensor_names
 
-__all__ = ["Place", "process_name", "resolve_placement", "device_maps_for", "MASTER"]
+__all__ = ["Place", "process_name", "resolve_placement", "device_maps_for", "MASTER", "place_unused", "shared_params"]
 
 MASTER = "master"
 
@@ -115,3 +117,49 @@ def device_maps_for(places: list[Place], me: str) -> dict[str, dict[str, str]]:
         elif b.process == me:
             maps.setdefault(a.process, {})[b.device] = a.device
     return maps
+
+
+def place_unused(model: nn.Module, held: list[set[str]]) -> list[list[str]]:
+    """Where each parameter or buffer that no stage graph reads goes.
+
+    [Note: parameters forward does not use]
+    A traced stage holds what its graph reads; a tensor ``forward`` never reads (a pooler, a
+    positional table another configuration uses) is in no graph, yet it is part of the model and
+    of its ``state_dict``. It is kept, with the stage that holds the same tensor under another
+    name (a tied alias), else with the stage that holds its nearest relative by name (its module's
+    other tensors), else with the first stage; it gets no gradient, so no optimizer moves it, and
+    checkpoints carry it as the plain model's do."""
+    names = tensor_names(model)
+    placed: list[list[str]] = [[] for _ in held]
+    for group in names.values():
+        for name in group:
+            if any(name in h for h in held):
+                continue
+            twin = next((i for i, h in enumerate(held) if any(n in h for n in group)), None)
+            placed[twin if twin is not None else _nearest(name, held)].append(name)
+    return placed
+
+
+def _nearest(name: str, held: list[set[str]]) -> int:
+    def common(a: str, b: str) -> int:
+        n = 0
+        for x, y in zip(a.split("."), b.split(".")):
+            if x != y:
+                break
+            n += 1
+        return n
+    scores = [max((common(name, h) for h in names), default=0) for names in held]
+    return scores.index(max(scores)) if max(scores) else 0
+
+
+def shared_params(model: nn.Module, held: list[set[str]]) -> list[tuple[tuple[str, str], ...]]:
+    """For each stage: (its name, the unsplit model's first name) of every parameter it shares with
+    another stage (see [Note: a parameter shared by stages] in rpcmp/master/tied.py)."""
+    params = {id(p) for p in model.parameters()}
+    out: list[list[tuple[str, str]]] = [[] for _ in held]
+    for key, group in tensor_names(model).items():
+        holders = {i: next(n for n in group if n in h) for i, h in enumerate(held) if any(n in h for n in group)}
+        if key in params and len(holders) > 1:
+            for i, name in holders.items():
+                out[i].append((name, group[0]))
+    return [tuple(t) for t in out]

@@ -43,6 +43,9 @@ FAMILIES = {
     # converted in the construction: the buffers `.to` makes anew are the registered ones
     "tied_float64": lambda: Tied().double(),
     "bn_bfloat16": lambda: nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).to(torch.bfloat16),
+    # weight_norm's `original1` is the very tensor it replaces, whose name is gone: it went to scratch, and a part's
+    # `original1` held whatever the construction wrote there next
+    "weight_norm": lambda: nn.Sequential(*[nn.utils.parametrizations.weight_norm(nn.Linear(6, 6)) for _ in range(4)]),
 }
 
 
