@@ -53,7 +53,7 @@ from ..errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "save_stage_file", "load_checkpoint",
            "read_part", "read_state_file", "export_model", "latest_checkpoint", "check_model_keys", "new_run_id",
-           "model_fingerprint", "complete_stems", "remove_incomplete"]
+           "model_fingerprint", "complete_stems", "remove_incomplete", "tensor_aliases", "fill_tied"]
 
 FORMAT = "rpcmp-checkpoint/1"
 STAGE_FORMAT = "rpcmp-stage/1"
@@ -233,6 +233,23 @@ def read_state_file(path: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} is not a state_dict (a dict of names to tensors) nor an rpcmp checkpoint: "
                               f"write it with torch.save(model.state_dict(), path)")
     return payload
+
+
+def tensor_aliases(module, prefix: str = "") -> dict[str, list[str]]:
+    """Each parameter or buffer name of ``module`` (with ``prefix``) -> the other names of the same tensor (tied)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(prefix + name)
+    return {n: [m for m in group if m != n] for group in groups.values() for n in group}
+
+
+def fill_tied(state: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """``state`` with each name of ``aliases`` it lacks taken from another name of the same tensor that it holds: a
+    tied weight written once, as Hugging Face's ``save_pretrained`` writes ``lm_head.weight`` (under its embedding's)."""
+    out = dict(state)
+    out.update({k: out[next(a for a in others if a in out)] for k, others in aliases.items()
+                if k not in out and any(a in out for a in others)})
+    return out
 
 
 def read_part(path: str) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

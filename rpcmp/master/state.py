@@ -61,9 +61,12 @@ class PipelineState:
     def init_from(self, path: str) -> None:
         """Each owner gives its stages their values from the state_dict file ``path``, reading its
         own keys only (``Job(init_from=...)``)."""
-        from ..core.checkpoint import CheckpointError, check_model_keys, read_state_file
+        from ..core.checkpoint import CheckpointError, check_model_keys, fill_tied, read_state_file
+        state = read_state_file(path)
+        for aliases in self._each(stage_state.aliases):  # a tied weight written once (checkpoint.fill_tied)
+            state = fill_tied(state, aliases)
         try:
-            check_model_keys({"model": read_state_file(path), "path": path}, self.state_meta(), "this job's model")
+            check_model_keys({"model": state, "path": path}, self.state_meta(), "this job's model")
         except CheckpointError as exc:
             raise CheckpointError(f"Job(init_from=...): {exc}; write the file with torch.save(model.state_dict(), "
                                   f"path) from the model the job builds") from None

@@ -11,7 +11,7 @@ from ..core.served import current
 from ..errors import StageError
 from .stage import named_params
 
-__all__ = ["on_host", "state_meta", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
+__all__ = ["on_host", "state_meta", "aliases", "init_from", "load_files", "state_dict", "load_state_dict", "optimizer_state",
            "load_optimizer_state", "beside", "rng_state", "set_rng_state", "save_stage", "remove_incomplete"]
 
 
@@ -35,10 +35,21 @@ def state_meta(pid: int, index: int) -> dict[str, tuple[tuple[int, ...], str]]:
             for k, v in host.module.state_dict().items()}
 
 
-def init_from(pid: int, index: int, path: str) -> None:
-    from ..core.checkpoint import read_state_file
+def aliases(pid: int, index: int) -> dict[str, list[str]]:
+    """Each key of this stage (the unsplit model's name) -> the other names of its tensor: in this stage (a tied
+    weight), and the unsplit model's first name of a parameter another stage shares."""
+    from ..core.checkpoint import tensor_aliases
     host = current().host(pid, index)
-    state = read_state_file(path)
+    out = tensor_aliases(host.module, host.spec.prefix)
+    for here, first in host.spec.tied:
+        out.setdefault(host.spec.prefix + here, []).append(first)
+    return out
+
+
+def init_from(pid: int, index: int, path: str) -> None:
+    from ..core.checkpoint import fill_tied, read_state_file
+    host = current().host(pid, index)
+    state = fill_tied(read_state_file(path), aliases(pid, index))
     host.module.load_state_dict({k: state[host.spec.prefix + k] for k in host.module.state_dict()}, strict=True)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from ..core.checkpoint import read_state_file
+from ..core.checkpoint import fill_tied, read_state_file, tensor_aliases
 from ..plan.materialize import build_whole
 from ..errors import JobError, RunAbortedError
 from ..errors import WorkerLostError
@@ -90,7 +90,7 @@ class DDPEngine:
             raise JobError("DDP mode builds the whole model on every rank: give Job(model=<factory>)")
         module = build_whole(job, compiled=True)
         if job.init_from:
-            module.load_state_dict(read_state_file(job.init_from), strict=True)
+            module.load_state_dict(fill_tied(read_state_file(job.init_from), tensor_aliases(module)), strict=True)
         module = module.to(self.device)
         if job.sync_batchnorm:
             if self.device.type != "cuda":
