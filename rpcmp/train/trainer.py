@@ -186,6 +186,8 @@ class Tracer:
     def __init__(self, engine, job, first: int, last: int):
         self.on = bool(job.trace_file) and engine.mode == "pipeline"
         self.engine, self.job, self.first, self.last, self.steps = engine, job, first, last, []
+        if self.on:  # its folder, now: as the metrics' (a path that cannot be written fails before training)
+            _folder_for(job.trace_file, "--trace")
 
     def before(self, step: int) -> None:
         if self.on and step == self.first:  # again after a rollback to before it: the replayed steps are traced
@@ -209,12 +211,25 @@ class Tracer:
             console.print(f"trace not written to {self.job.trace_file}: an owner was lost as the traced steps ended, "
                           f"with its slices (its stage went on on a spare)", soft_wrap=True)
             return
-        summary = write_chrome_trace(self.job.trace_file, self.steps, self.engine.stage_names(),
-                                     len(self.steps[0]["seqs"]))
+        try:
+            summary = write_chrome_trace(self.job.trace_file, self.steps, self.engine.stage_names(),
+                                         len(self.steps[0]["seqs"]))
+        except OSError as exc:  # the folder went away, the disk filled: the run itself is not lost for it
+            console.print(f"warning: trace not written to {self.job.trace_file}: {exc}", soft_wrap=True)
+            return
         hidden = "" if summary["overlap"] is None else f"; transfers overlapped by compute {summary['overlap']:.0%}"
         console.print(f"trace of steps {summary['steps']} written to {self.job.trace_file}: bubble "
                       f"{summary['bubble']:.3f} measured, {summary['ideal_bubble']:.3f} ideal (S-1)/(M+S-1){hidden}",
                       soft_wrap=True)  # one line: the file's path whole
+
+
+def _folder_for(path: str, option: str) -> None:
+    """Make the folder of the file ``path`` that ``option`` names, or say why it cannot be made."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as exc:
+        raise JobError(f"{option} {path}: its folder cannot be made ({exc.strerror}: {exc.filename}); give a path "
+                       f"in a folder this process can write") from None
 
 
 class MetricsLog:
@@ -223,7 +238,7 @@ class MetricsLog:
     def __init__(self, path: str | None):
         self.file = None
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            _folder_for(path, "--metrics")
             self.file = open(path, "a")
 
     def write(self, **record) -> None:

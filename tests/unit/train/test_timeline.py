@@ -44,3 +44,20 @@ def test_transfers_get_a_row_per_boundary_and_the_share_the_sender_computed_mean
     assert summary["overlap"] == pytest.approx(0.5 / 2.0)
     # transfers are no compute: stage 1 busy 2-4, stage 0 busy 0-1.5, span 0-4 on 2 stages
     assert summary["bubble"] == pytest.approx(1 - 3.5 / 8)
+
+
+def test_a_trace_or_metrics_path_whose_folder_cannot_be_made_is_refused_before_training(tmp_path):
+    """The trace's folder was made only when the trace was written, after the traced steps: a path under a file (or
+    a folder that did not exist) failed the run there with a FileNotFoundError. Both files' folders are made at the
+    start now, and a path that cannot have one is a JobError naming the option."""
+    import types
+    from rpcmp.errors import JobError
+    from rpcmp.train.trainer import MetricsLog, Tracer
+    (tmp_path / "file").write_text("")
+    job = types.SimpleNamespace(trace_file=str(tmp_path / "new" / "trace.json"))
+    Tracer(types.SimpleNamespace(mode="pipeline"), job, 2, 4)
+    assert (tmp_path / "new").is_dir()
+    with pytest.raises(JobError, match=r"--trace .*/file/trace.json: its folder cannot be made"):
+        Tracer(types.SimpleNamespace(mode="pipeline"), types.SimpleNamespace(trace_file=str(tmp_path / "file" / "trace.json")), 2, 4)
+    with pytest.raises(JobError, match=r"--metrics .*/file/m.jsonl: its folder cannot be made"):
+        MetricsLog(str(tmp_path / "file" / "m.jsonl"))
