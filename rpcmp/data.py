@@ -22,13 +22,13 @@ def epoch_batches(n: int, size: int, seed: int, epoch: int) -> list[list[int]]:
     return [order[i * size:(i + 1) * size] for i in range(n // size)]
 
 
-def step_groups(dataset, batches: list, first_step: int, accumulate: int):
+def step_groups(dataset, batches: list, first_step: int, accumulate: int, collate=None):
     """Group an epoch's batches ``accumulate`` at a time (one group per optimizer step),
     from step ``first_step`` on; an incomplete last group is dropped. Returns the lazy
     groups and the number of steps in the whole epoch."""
     steps = len(batches) // accumulate
     usable = batches[first_step * accumulate: steps * accumulate]
-    it = iter(data_loader(dataset, batch_sampler=usable))
+    it = iter(data_loader(dataset, batch_sampler=usable, collate_fn=collate))
     return ([next(it) for _ in range(accumulate)] for _ in range(len(usable) // accumulate)), steps
 
 
@@ -47,7 +47,7 @@ def first_batch(job) -> Any:
     """The input of the job's first training batch, or None when the job has no data."""
     if job.data is None:
         return None
-    return next(iter(data_loader(datasets(job)[0], batch_size=job.batch_size)))[0]
+    return next(iter(data_loader(datasets(job)[0], batch_size=job.batch_size, collate_fn=job.collate)))[0]
 
 
 def needs_sample(job) -> bool:

@@ -44,6 +44,7 @@ class Job:
     stages: Sequence[Any] | Split = ()
     placement: str | Sequence[str] = "auto"
     data: Callable[[], tuple[Any, Any]] | None = None  # -> (train_dataset, heldout_dataset or None)
+    collate: Callable[[list], Any] | None = None  # the DataLoader's collate_fn (None: torch's): samples -> (x, y)
     loss: Callable[[Any, Any], torch.Tensor] | None = None  # loss(output, target), on the master; per micro-batch unless schedule="gpipe"
     metric: Callable[[Any, Any], float] | None = None  # higher is better, on held-out data
     metric_name: str = "metric"
@@ -143,13 +144,16 @@ class Job:
                 raise JobError(f"Job.scheduler must be (torch.optim.lr_scheduler.<Class>, {{kwargs}}) stepped once "
                                f"per optimizer step (ReduceLROnPlateau is not supported), got {self.scheduler!r}")
             self.scheduler = (scls, skw)
-        self._check_optional_numbers()
+        self._check_optionals()
 
-    def _check_optional_numbers(self) -> None:
+    def _check_optionals(self) -> None:
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
             raise JobError(f"Job.clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise JobError(f"Job.threads must be None or a positive integer, got {self.threads!r}")
+        if self.collate is not None and not callable(self.collate):
+            raise JobError(f"Job.collate must be None (torch's default collate) or a function from a list of samples to "
+                           f"a batch (x, y), as DataLoader's collate_fn, got {self.collate!r}")
         if self.rpc_timeout is not None and not (isinstance(self.rpc_timeout, (int, float)) and self.rpc_timeout > 0):
             raise JobError(f"Job.rpc_timeout must be None (the default) or a positive number of seconds, got "
                            f"{self.rpc_timeout!r}")

@@ -114,7 +114,7 @@ class DDPEngine:
                                      seed=self.job.seed, drop_last=True)
         sampler.set_epoch(epoch)
         batches = list(torch.utils.data.BatchSampler(sampler, self.local_batch, drop_last=True))
-        return step_groups(dataset, batches, first_batch, self.job.accumulate)
+        return step_groups(dataset, batches, first_batch, self.job.accumulate, self.job.collate)
 
     def steps_per_epoch(self, n: int) -> int:
         return (n // self.world // self.local_batch) // self.job.accumulate
@@ -162,7 +162,8 @@ class DDPEngine:
         self.model.eval()
         mine = list(range(self.rank, len(dataset), self.world))
         acc = torch.zeros(2, dtype=torch.float64)
-        for x, y in data_loader(torch.utils.data.Subset(dataset, mine), batch_size=self.local_batch):
+        for x, y in data_loader(torch.utils.data.Subset(dataset, mine), batch_size=self.local_batch,
+                                collate_fn=self.job.collate):
             with self._autocast():
                 out = self.model.module(to_device(x, self.device))
             n = batch_size(x)

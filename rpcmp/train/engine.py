@@ -97,7 +97,7 @@ class PipelineEngine:
 
     def epoch_loader(self, dataset, epoch: int, first_batch: int):
         batches = epoch_batches(len(dataset), self.job.batch_size, self.job.seed, epoch)
-        return step_groups(dataset, batches, first_batch, self.job.accumulate)
+        return step_groups(dataset, batches, first_batch, self.job.accumulate, self.job.collate)
 
     def train_step(self, group: list) -> tuple[float, int]:
         # Accumulating k batches is one step over their concatenation in k x M micro-batches:
@@ -392,7 +392,7 @@ def evaluate(pipe: Pipeline, dataset, job) -> float:
     """Mean of ``job.metric`` over ``dataset`` (weighted by batch size), stages in eval mode."""
     pipe.eval()
     total, count = 0.0, 0
-    for x, y in data_loader(dataset, batch_size=job.batch_size):
+    for x, y in data_loader(dataset, batch_size=job.batch_size, collate_fn=job.collate):
         n = batch_size(x)
         total += float(job.metric(pipe.predict(x), y)) * n
         count += n

@@ -67,7 +67,7 @@ def write_predictions(job, forward: Callable[[Any], Any], out_dir: str, images: 
     dataset, which = (heldout, "held-out") if heldout is not None else (train, "training")
     os.makedirs(out_dir, exist_ok=True)
     outputs, total, count, pngs = [], 0.0, 0, []
-    for x, y in data_loader(dataset, batch_size=job.batch_size):
+    for x, y in data_loader(dataset, batch_size=job.batch_size, collate_fn=job.collate):
         out = forward(x)
         outputs.append(out)
         n = batch_size(x)

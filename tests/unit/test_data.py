@@ -22,3 +22,25 @@ def test_steps_group_batches_and_a_resumed_epoch_starts_at_its_step():
     lazy, steps = step_groups(data, batches, first_step=1, accumulate=2)
     resumed = list(lazy)
     assert steps == 2 and len(resumed) == 1 and all(torch.equal(a[0], b[0]) for a, b in zip(resumed[0], groups[1]))
+
+
+def test_a_job_s_collate_makes_its_batches_of_samples_of_different_lengths():
+    """Job(collate=...): a language model's samples padded to the longest of each batch (torch's own collate cannot
+    stack them); the training batches, the first batch a plan traces with, and the refusal of what is not callable."""
+    import pytest
+    import rpcmp
+    from rpcmp.data import first_batch
+    from rpcmp.errors import JobError
+    samples = [torch.arange(n) for n in (3, 5, 2, 4)]
+
+    def pad(items):
+        x = torch.nn.utils.rnn.pad_sequence([s for s, _ in items], batch_first=True)
+        return x, torch.tensor([len(s) for s, _ in items])
+    data = [(s, len(s)) for s in samples]
+    lazy, _ = step_groups(data, [[0, 1], [2, 3]], first_step=0, accumulate=1, collate=pad)
+    assert [tuple(g[0][0].shape) for g in lazy] == [(2, 5), (2, 4)]
+    job = rpcmp.Job(stages=[torch.nn.Linear(1, 1)], data=lambda: (data, None), loss=lambda o, y: o, batch_size=2,
+                    collate=pad)
+    assert first_batch(job).tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]]
+    with pytest.raises(JobError, match="Job.collate must be None"):
+        rpcmp.Job(stages=[torch.nn.Linear(1, 1)], collate="pad")
