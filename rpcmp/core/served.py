@@ -112,6 +112,7 @@ class Served:
         self.leave_by = None  # on a worker told the end: set it once left, or the process leaves by itself (.runtime)
         self.device = None  # DDP mode: this rank's device
         self.heartbeats = None  # DDP mode: this rank's rpcmp.core.health.Heartbeats
+        self.stop = None  # on the master while it trains: its rpcmp.train.stop.StopRequest (a worker's SIGTERM reaches it)
         self.stage_groups: dict | None = None  # Job(replicas=R): stage index -> process group of its copies
         self.nodes: list[str] | None = None  # Job(replicas=R): every rank's node, for the grid
         self.topology = None  # the run's rpcmp.plan.topology.Topology, computed once at start

@@ -31,6 +31,7 @@ from .env import LaunchEnv
 from .groups import join_stage_groups, share_nodes
 from ..core.served import serve
 from .ending import leave_world, serve_until_told
+from ..train.stop import forward_on_worker
 
 __all__ = ["run_rank", "free_port", "reserve_ports", "default_threads", "usable_cpus"]
 
@@ -201,6 +202,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         return _run_ddp_rank(job, rank, world_size, main, env.local_rank)
     if rank != 0 and threading.current_thread() is threading.main_thread():  # Ctrl-C is the master's to act on:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # see [Note: stopping a run] in rpcmp/train/stop.py
+        forward_on_worker(process_name(rank))  # and so is SIGTERM
     topology = _join_rpc(job, rank, world_size, served, attempt, env)
     result, error, watchdog = None, None, None
     try:

@@ -6,18 +6,23 @@ The first SIGINT or SIGTERM to the master lets the step in flight finish, writes
 exits ``128 + signal`` (130, 143): the run did not finish, and ``--resume`` continues it from that
 step. A second signal stops at once, as before. The master alone acts on it: an owner ignores
 SIGINT (Ctrl-C in a terminal reaches every process of ``--local N``, which would otherwise lose a
-stage mid-step) and waits for the master's word. A signal the master was started to ignore (``nohup``,
+stage mid-step) and waits for the master's word. An owner's first SIGTERM is handed to the master
+as its own (:func:`forward_on_worker`): ``docker stop``, a Kubernetes pod's end, systemd and a
+batch scheduler's preemption send SIGTERM to every process at once, and owners that died of it left
+the master no stage to write its checkpoint with (the run failed, "stopped answering", nothing
+saved). An owner's second SIGTERM, or one the master cannot take (it is not training), ends it. A signal the master was started to ignore (``nohup``,
 a background job) stays ignored. DDP mode, where every rank trains and stopping
 would have to be agreed by a collective each step, keeps the default handlers; so does a master
 that does not run in its process's main thread.
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 
-__all__ = ["StopRequest", "exit_status"]
+__all__ = ["StopRequest", "exit_status", "forward_on_worker", "requested"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -35,11 +40,16 @@ class StopRequest:
         return None if self.signum is None else signal.Signals(self.signum).name
 
     def __enter__(self) -> "StopRequest":
+        from ..core.served import current
         if self.enabled:  # a signal the process was started to ignore (nohup, a background job) stays ignored
             self._old = {s: signal.signal(s, self._received) for s in _SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+            current().stop = self
         return self
 
     def __exit__(self, *exc) -> None:
+        from ..core.served import current
+        if current().stop is self:
+            current().stop = None
         self._restore()
 
     def _restore(self) -> None:
@@ -56,10 +66,46 @@ class StopRequest:
             else:
                 signal.raise_signal(signum)
             return
+        self._take(signum, "")
+
+    def _take(self, signum: int, where: str) -> None:
         self.signum = signum
-        sys.stderr.write(f"\n{signal.Signals(signum).name}: stopping after the step in flight (a checkpoint is "
+        sys.stderr.write(f"\n{signal.Signals(signum).name}{where}: stopping after the step in flight (a checkpoint is "
                          f"written where --checkpoint-dir is set); send it again to stop at once\n")
         sys.stderr.flush()
+
+
+def requested(signum: int, who: str) -> bool:
+    """On the master, called by an owner that received ``signum``: stop as for the master's own signal. False when
+    the master is not training (the owner then ends)."""
+    from ..core.served import current
+    stop = current().stop
+    if stop is None:
+        return False
+    if stop.signum is None:
+        stop._take(signum, f" to {who}")
+    return True
+
+
+def forward_on_worker(me: str) -> None:
+    """On an owner, in its main thread: its first SIGTERM goes to the master as a stop request (see [Note: stopping a
+    run]); a second, or one the master does not take, ends this process as SIGTERM does."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        return
+
+    def ask(signum: int) -> None:
+        import torch.distributed.rpc as rpc
+        try:
+            taken = rpc.rpc_sync("master", requested, args=(signum, me), timeout=10)
+        except Exception:  # noqa: BLE001 - no master to ask (not joined yet, or gone): end as SIGTERM does
+            taken = False
+        if not taken:
+            os.kill(os.getpid(), signum)
+
+    def received(signum, frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # a second one ends this process at once
+        threading.Thread(target=ask, args=(signum,), daemon=True, name="rpcmp-sigterm").start()
+    signal.signal(signal.SIGTERM, received)
 
 
 def exit_status(result) -> int:

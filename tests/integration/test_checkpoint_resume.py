@@ -12,7 +12,7 @@ import segmentation_models_pytorch as smp
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, job_path, load, metric_steps, run_command, run_ranks
+from helpers import assert_close_f32, descendant, job_path, load, metric_steps, run_command, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from rpcmp.train.engine import PipelineEngine
 from rpcmp.train.trainer import _save, fit
@@ -156,10 +156,14 @@ def test_killing_the_writer_mid_save_keeps_the_previous_checkpoint(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_stops_between_steps_saves_and_resume_trains_the_uninterrupted_model(tmp_path):
+@pytest.mark.parametrize("sig,to", [(signal.SIGINT, "group"), (signal.SIGTERM, "group"), (signal.SIGTERM, "worker2")],
+                         ids=["SIGINT-everyone", "SIGTERM-everyone", "SIGTERM-worker2"])
+def test_ctrl_c_stops_between_steps_saves_and_resume_trains_the_uninterrupted_model(tmp_path, sig, to):
     """Ctrl-C reaches every process of `--local 3` (one process group): the master finishes the step in
     flight, writes a checkpoint and exits 130, the owners wait for its word; --resume then trains the model
-    of a run never stopped."""
+    of a run never stopped. So does SIGTERM to every process (docker stop, a pod's end, a preemption), where the
+    owners used to die of it and the run fail with nothing saved, and SIGTERM to one owner, which the master takes
+    as its own (exit 143)."""
     rpcmp_cli = os.path.join(os.path.dirname(sys.executable), "rpcmp")
     common = [rpcmp_cli, "run", job_path("mlp"), "--local", "3", "--threads", "1", "--epochs", "10", "--max-steps", "160"]
     # as from a terminal: a test runner's worker may ignore SIGINT, and a process started so keeps ignoring it
@@ -171,10 +175,14 @@ def test_ctrl_c_stops_between_steps_saves_and_resume_trains_the_uninterrupted_mo
     while metric_steps(tmp_path / "m.jsonl") < at:
         assert stopped.poll() is None and time.monotonic() < deadline, stopped.communicate()[0]
         time.sleep(0.02)
-    os.killpg(stopped.pid, signal.SIGINT)
+    if to == "group":
+        os.killpg(stopped.pid, sig)
+    else:
+        os.kill(descendant(stopped.pid, "rpcmp-" + to), sig)
     out, _ = stopped.communicate(timeout=120)
-    assert stopped.returncode == 130, out
-    step = int(re.search(r"stopped by SIGINT after step (\d+): checkpoint in", out).group(1))
+    assert stopped.returncode == 128 + sig, out
+    assert to == "group" or f"{sig.name} to {to}: stopping after the step in flight" in out, out
+    step = int(re.search(rf"stopped by {sig.name} after step (\d+): checkpoint in", out).group(1))
     assert load_checkpoint(str(tmp_path / "a"))["step"] == step >= at and step < 160
     assert not subprocess.run(["pgrep", "-f", str(tmp_path / "a")], capture_output=True).stdout
     resumed = run_command(*common[1:], "--checkpoint-dir", str(tmp_path / "a"), "--resume", timeout=120)
