@@ -10,10 +10,10 @@ stage mid-step) and waits for the master's word. An owner's first SIGTERM is han
 as its own (:func:`forward_on_worker`): ``docker stop``, a Kubernetes pod's end, systemd and a
 batch scheduler's preemption send SIGTERM to every process at once, and owners that died of it left
 the master no stage to write its checkpoint with (the run failed, "stopped answering", nothing
-saved). An owner's second SIGTERM, or one the master cannot take (it is not training), ends it. A signal the master was started to ignore (``nohup``,
-a background job) stays ignored. DDP mode, where every rank trains and stopping
-would have to be agreed by a collective each step, keeps the default handlers; so does a master
-that does not run in its process's main thread.
+saved). An owner's second SIGTERM, or one the master cannot take (it is not training), ends it.
+A signal the master was started to ignore (``nohup``, a background job) stays ignored. DDP mode,
+where every rank trains and stopping would have to be agreed by a collective each step, keeps the
+default handlers; so does a master that does not run in its process's main thread.
 """
 from __future__ import annotations
 
