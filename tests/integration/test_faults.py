@@ -248,16 +248,20 @@ def test_a_job_stopped_for_longer_than_a_minute_and_continued_goes_on_as_if_neve
 
 
 @pytest.mark.timeout(120)
-def test_a_job_stopped_past_its_rpc_timeout_says_so_and_where_to_resume(tmp_path):
-    """Stopped for 12 s with --rpc-timeout 5: the step fails, and the error says that every process answers, that
-    the job was stopped for longer than its calls may take, and which option to raise (a raw "RPC ran for more
-    than set timeout" traceback before); no process is left."""
-    metrics, ckpt = str(tmp_path / "m.jsonl"), str(tmp_path / "run")
-    with _rpcmp_run(job_path("three"), "--local", "4", "--max-steps", "400", "--rpc-timeout", "5", "--hang-timeout", "30",
-                    "--checkpoint-dir", ckpt, "--checkpoint-every", "20", "--metrics", metrics) as proc:
-        _stopped_at(proc, metrics, 30)
-        time.sleep(12)
-        os.killpg(proc.pid, signal.SIGCONT)
+def test_a_call_past_its_rpc_timeout_with_every_process_answering_says_so_and_where_to_resume(tmp_path):
+    """worker1's forward stalls for 90 s with --rpc-timeout 5 (as a job stopped and continued after longer than that
+    finds its calls): the step fails, and the error says that every process answers, that the job was stopped for
+    longer than its calls may take or a call waited that long, and which option to raise (a raw "RPC ran for more
+    than set timeout" traceback before); no process is left. (Stopping the processes from here is no test of it: a
+    stop that lands between two calls costs nothing, as it should.)"""
+    flag, metrics, ckpt = str(tmp_path / "stall"), str(tmp_path / "m.jsonl"), str(tmp_path / "run")
+    with _rpcmp_run(job_path("stalls"), "--local", "3", "--rpc-timeout", "5", "--checkpoint-dir", ckpt,
+                    "--checkpoint-every", "2", "--metrics", metrics, STALL_FLAG=flag) as proc:
+        deadline = time.monotonic() + 90
+        while metric_steps(metrics) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        open(flag, "w").close()
         _, err = proc.communicate(timeout=60)
         gone_by = time.monotonic() + 15
         while subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True).stdout and time.monotonic() < gone_by:
