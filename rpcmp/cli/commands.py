@@ -280,8 +280,8 @@ def _schedule_table(job, stages: int, whole_batch: bool) -> Table:
     loss = "on the gathered batch" if step.loss is Loss.GATHERED else "per micro-batch, weighted by its share"
     table.caption = (f"a distributed-autograd context per micro-batch; loss {loss}; "
                      f"at most {step.in_flight} micro-batches hold activations on a stage"
-                     + ("; the model has BatchNorm, so each training batch runs as 1 micro-batch (Job.batchnorm='batch'; "
-                        "'micro' pipelines M with per-micro-batch statistics)" if whole_batch else ""))
+                     + ("; the model has BatchNorm or spectral norm, so each training batch runs as 1 micro-batch "
+                        "(Job.batchnorm='batch'; 'micro' pipelines M, updating their state once each)" if whole_batch else ""))
     return table
 
 

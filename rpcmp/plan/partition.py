@@ -342,11 +342,15 @@ def _as_cut(job, spec: StageSpec):
 
 
 def has_batchnorm(module: nn.Module, spec: StageSpec | None = None) -> bool:
-    """Whether a stage (or model) normalizes over the batch: its micro-batches then see other
-    statistics than the whole batch (Job.batchnorm). A traced stage's graph holds no BatchNorm
-    module: its spec says whether the model had one."""
-    return bool(spec is not None and spec.has_bn) or any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                                                          for m in module.modules())
+    """Whether a stage (or model) updates state from each training batch in its forward: BatchNorm's statistics
+    over the batch, spectral norm's power iteration (``_u``, ``_v``, one step per forward). Its micro-batches then
+    update it once each, where the unsplit model does once a batch (Job.batchnorm). A traced stage's graph holds
+    no such module: its spec says whether the model had one."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    return bool(spec is not None and spec.has_bn) or any(
+        isinstance(m, (nn.modules.batchnorm._BatchNorm, _SpectralNorm))
+        or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()) for m in module.modules())
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:

@@ -343,9 +343,9 @@ class PipelineEngine:
             text += (f"\nspares: {', '.join(self.live.spares)}: one takes over the stages of a lost owner, rebuilt from "
                      f"the live copy in another replica (no step lost)")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
-            text += (f"\nthe model has BatchNorm: each batch runs as 1 micro-batch so that its statistics are the whole "
-                     f"batch's (Job.batchnorm='batch'); batchnorm='micro' pipelines {pipe.microbatches} micro-batches "
-                     f"with per-micro-batch statistics")
+            text += (f"\nthe model has BatchNorm or spectral norm: each batch runs as 1 micro-batch so that what its "
+                     f"forward updates is updated once a batch (Job.batchnorm='batch'); batchnorm='micro' pipelines "
+                     f"{pipe.microbatches} micro-batches, updating it once each")
         return text
 
     def explain(self, exc: BaseException) -> BaseException:

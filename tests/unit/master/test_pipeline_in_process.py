@@ -341,3 +341,27 @@ def test_the_local_optimizers_hold_state_that_rpcmp_writes_into(job, monkeypatch
     assert torch.equal(stage_state.optimizer_state(pipe.pid, optim.remote_optimizers[0])[name]["exp_avg"],
                        state[name]["exp_avg"])
     pipe.close()
+
+
+def _spectral(kind: str):
+    def model():
+        wrap = torch.nn.utils.parametrizations.spectral_norm if kind == "parametrization" else torch.nn.utils.spectral_norm
+        return torch.nn.Sequential(wrap(torch.nn.Linear(16, 32)), torch.nn.Tanh(), wrap(torch.nn.Linear(32, 8)))
+    return model
+
+
+@pytest.mark.parametrize("kind", ["parametrization", "hook"])
+def test_spectral_norm_trains_as_the_unsplit_model_with_micro_batches(job, kind):
+    """Spectral norm's power iteration updates its vectors on every training forward: once per micro-batch, where the
+    unsplit model does once a batch, and the model drifted from the unsplit one without a word. Like BatchNorm's
+    statistics, a stage that has it now runs each training batch as one micro-batch (Job.batchnorm='batch')."""
+    job = dataclasses.replace(job, model=_spectral(kind), stages=rpcmp.Split([2, 1]), optimizer=(torch.optim.Adam, {"lr": 0.01}))
+    serve(job)  # the owner builds what this process serves
+    data = batches(3)
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, data)
+    pipe = rpcmp.Pipeline(job, world_size=1, microbatches=4)
+    losses = [pipe.train_step(x, y).item() for x, y in data]
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(pipe.state_dict(), ref_state)
+    pipe.close()
