@@ -53,7 +53,7 @@ from ..errors import CheckpointError, CheckpointWriteError
 
 __all__ = ["CheckpointError", "CheckpointWriteError", "save_checkpoint", "save_stage_file", "load_checkpoint",
            "read_part", "read_state_file", "export_model", "latest_checkpoint", "check_model_keys", "new_run_id",
-           "model_fingerprint", "complete_stems", "remove_incomplete", "tensor_aliases", "fill_tied"]
+           "model_fingerprint", "complete_stems", "remove_incomplete", "fill_tied"]
 
 FORMAT = "rpcmp-checkpoint/1"
 STAGE_FORMAT = "rpcmp-stage/1"
@@ -233,14 +233,6 @@ def read_state_file(path: str) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} is not a state_dict (a dict of names to tensors) nor an rpcmp checkpoint: "
                               f"write it with torch.save(model.state_dict(), path)")
     return payload
-
-
-def tensor_aliases(module, prefix: str = "") -> dict[str, list[str]]:
-    """Each parameter or buffer name of ``module`` (with ``prefix``) -> the other names of the same tensor (tied)."""
-    groups: dict[int, list[str]] = {}
-    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        groups.setdefault(id(t), []).append(prefix + name)
-    return {n: [m for m in group if m != n] for group in groups.values() for n in group}
 
 
 def fill_tied(state: dict[str, torch.Tensor], aliases: dict[str, list[str]]) -> dict[str, torch.Tensor]:

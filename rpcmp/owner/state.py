@@ -38,7 +38,7 @@ def state_meta(pid: int, index: int) -> dict[str, tuple[tuple[int, ...], str]]:
 def aliases(pid: int, index: int) -> dict[str, list[str]]:
     """Each key of this stage (the unsplit model's name) -> the other names of its tensor: in this stage (a tied
     weight), and the unsplit model's first name of a parameter another stage shares."""
-    from ..core.checkpoint import tensor_aliases
+    from ..plan.materialize import tensor_aliases
     host = current().host(pid, index)
     out = tensor_aliases(host.module, host.spec.prefix)
     for here, first in host.spec.tied:

@@ -59,7 +59,7 @@ from torch import nn
 
 from ..errors import PartitionError
 
-__all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "tensor_table", "set_tensor", "attach_tensor",
+__all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "tensor_aliases", "tensor_table", "set_tensor", "attach_tensor",
            "graph_constants", "attribute", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
 
 _LOCAL = threading.local()  # the registration hooks act only in the thread that builds
@@ -97,6 +97,12 @@ def tensor_names(model: nn.Module) -> dict[int, list[str]]:
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), []).append(name)
     return names
+
+
+def tensor_aliases(model: nn.Module, prefix: str = "") -> dict[str, list[str]]:
+    """Each parameter or buffer name of ``model`` (with ``prefix``) -> the other names of the same tensor (tied)."""
+    groups = [[prefix + n for n in names] for names in tensor_names(model).values()]
+    return {n: [m for m in group if m != n] for group in groups for n in group}
 
 
 def set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 
 import torch.utils._pytree as pytree
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
@@ -346,8 +348,6 @@ def has_batchnorm(module: nn.Module, spec: StageSpec | None = None) -> bool:
     over the batch, spectral norm's power iteration (``_u``, ``_v``, one step per forward). Its micro-batches then
     update it once each, where the unsplit model does once a batch (Job.batchnorm). A traced stage's graph holds
     no such module: its spec says whether the model had one."""
-    from torch.nn.utils.parametrizations import _SpectralNorm
-    from torch.nn.utils.spectral_norm import SpectralNorm
     return bool(spec is not None and spec.has_bn) or any(
         isinstance(m, (nn.modules.batchnorm._BatchNorm, _SpectralNorm))
         or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()) for m in module.modules())

@@ -99,15 +99,15 @@ class SplitAt:
 
 def example_of(batch: Any) -> tuple:
     """A picklable description (shapes and dtypes) of one micro-batch, to trace with on an owner."""
-    leaves, spec = pytree.tree_flatten(batch)
-    for path, leaf in pytree.tree_flatten_with_path(batch)[0]:
+    pairs, spec = pytree.tree_flatten_with_path(batch)
+    for path, leaf in pairs:
         if not isinstance(leaf, torch.Tensor):  # a trace would take the first batch's value as a constant
             raise PartitionError(
                 f"SplitAt traces the model on a batch of tensors, but batch{pytree.keystr(path)} is a "
                 f"{type(leaf).__name__} ({leaf!r:.40}): a value that is not a tensor (a sample's name or text, kept by "
                 f"the dataset) would be traced as the first batch's constant. Leave it out of the model's input (a "
                 f"collate_fn, or the dataset's columns), or make it a tensor")
-    return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in leaves], spec
+    return [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for _, t in pairs], spec
 
 
 def from_example(example: tuple, device: str = "cpu") -> Any:

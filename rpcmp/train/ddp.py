@@ -21,8 +21,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from ..core.checkpoint import fill_tied, read_state_file, tensor_aliases
-from ..plan.materialize import build_whole
+from ..core.checkpoint import fill_tied, read_state_file
+from ..plan.materialize import build_whole, tensor_aliases
 from ..errors import JobError, RunAbortedError
 from ..errors import WorkerLostError
 from ..core.store import launch_store
