@@ -51,13 +51,13 @@ def first_batch(job) -> Any:
 
 
 def needs_sample(job) -> bool:
-    """Whether planning the stages needs a batch: Split(by="time") profiles layers on it, and
-    stages given by name are checked against the model's forward on it (rpcmp/plan/chain.py)."""
+    """Whether planning the stages takes a batch: Split(by="time") profiles layers on it, stages given by name
+    are checked against the model's forward on it (rpcmp/plan/chain.py), a SplitAt traces it, and every plan of a
+    whole model runs its forward on it on the meta device to find the buffers it writes (rpcmp/plan/writes.py);
+    stages given as modules take none."""
     from .plan.partition import declaration_kind
-    if getattr(job.stages, "by", None) == "time" and getattr(job.stages, "parts", None) is not None:
-        return True
     try:
-        return declaration_kind(job.stages) in ("names", "traced")
+        return declaration_kind(job.stages) != "modules"
     except Exception:  # noqa: BLE001 - a bad declaration is reported by plan_stages
         return False
 

@@ -178,7 +178,7 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
     """Print how JOB_FILE is cut into stages and placed, and its schedule's plan, without starting any process."""
     from ..job import load_job
     from ..core.microbatch import tensors
-    from ..plan.partition import build_stage, has_batchnorm, plan_stages
+    from ..plan.partition import build_stage, has_batch_state, plan_stages
     from ..plan.traced import stage_flow
     from ..plan.topology import Topology
     from ..data import first_batch, needs_sample
@@ -199,7 +199,7 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
     for col in ("stage", "modules", "ops", "parameters", "est. memory", "out / micro-batch", "placement"):
         table.add_column(col, justify="left" if col in ("stage", "modules", "ops", "placement") else "right")
     modules = [build_stage(job, spec, meta=True) for spec in specs]  # structure and shapes only: nothing is allocated
-    bn = any(has_batchnorm(m, spec) for m, spec in zip(modules, specs))
+    bn = any(has_batch_state(m, spec) for m, spec in zip(modules, specs))
     total = 0
     for (sent, _), spec, module, place in zip(stage_flow(modules, flow, _on_meta), specs, modules, places):
         n = sum(p.numel() for p in module.parameters())
@@ -215,7 +215,8 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
     Console(width=max(console.width, 140)).print(table)  # a piped plan keeps whole stage names
     if grid:
         Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid, nodes))
-    Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch"))
+    Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch",
+                                                                specs[0].writes))
     if topology.spares:
         console.print(f"spares: {', '.join(topology.spares)} (hold no stage; each takes over the stage of a lost owner)")
     for line in _model_notes(specs):
@@ -268,9 +269,10 @@ def _grid_table(job, specs, grid, nodes) -> Table:
     return table
 
 
-def _schedule_table(job, stages: int, whole_batch: bool) -> Table:
+def _schedule_table(job, stages: int, whole_batch: bool, writes: tuple[str, ...]) -> Table:
     """The schedule's plan for one optimizer step (``--schedule S -m M`` to see another)."""
     from ..plan.schedule import Loss, make_plan
+    from ..plan.writes import whole_batch_note
     step = make_plan(job.schedule, 1 if whole_batch else job.microbatches, stages)
     table = Table(title=f"schedule {step.name.value!r}: one step of {step.microbatches} micro-batches over {stages} stages")
     for col in ("micro-batch", "enters", "backward", "gradients"):
@@ -280,8 +282,7 @@ def _schedule_table(job, stages: int, whole_batch: bool) -> Table:
     loss = "on the gathered batch" if step.loss is Loss.GATHERED else "per micro-batch, weighted by its share"
     table.caption = (f"a distributed-autograd context per micro-batch; loss {loss}; "
                      f"at most {step.in_flight} micro-batches hold activations on a stage"
-                     + ("; the model has BatchNorm or spectral norm, so each training batch runs as 1 micro-batch "
-                        "(Job.batchnorm='batch'; 'micro' pipelines M, updating their state once each)" if whole_batch else ""))
+                     + ("; " + whole_batch_note(writes, job.microbatches) if whole_batch else ""))
     return table
 
 

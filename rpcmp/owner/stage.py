@@ -52,7 +52,7 @@ from ..core.hparams import apply_fields, read_fields
 from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
 from ..core.wire import from_wire, to_wire
 from ..plan.graphs import described
-from ..plan.partition import StageSpec, build_empty, build_stage, has_batchnorm
+from ..plan.partition import StageSpec, build_empty, build_stage, has_batch_state
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
 from .reduce import StepMerge, StepReduce
@@ -198,7 +198,7 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
         return Failure.of(f"building stage {spec.index} ({spec.name}) on {place} failed: {type(exc).__name__}: {exc}", exc)
     keep = frozenset(peer for peer, m in served.device_maps.items() if str(device) in m and peer != MASTER
                      ) if options["device_maps"] else frozenset()
-    bn = has_batchnorm(module, spec)
+    bn = has_batch_state(module, spec)
     if options["recompute"]:
         make_recomputable(module)
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options["precision"])

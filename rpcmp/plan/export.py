@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import operator
 import re
 import warnings
 from collections import OrderedDict
@@ -243,6 +244,7 @@ def _exporting(pipe_cls, dynamic: bool):
         shapes = pytree.tree_map(lambda t: _dims(t, batch) if isinstance(t, torch.Tensor) and t.dim() else None,
                                  example_args) if dynamic else None
         exported = torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
+        _inline_no_grad(exported.graph_module)
         out_specs.append(exported.call_spec.out_spec)
         reached.append([(list(n.meta.get("nn_module_stack", {}).values()) or [(None,)])[-1][0]
                         for n in exported.graph.nodes if n.op == "call_function" and "_pipe_split" in str(n.target)])
@@ -254,6 +256,45 @@ def _exporting(pipe_cls, dynamic: bool):
             yield out_specs, reached
     finally:
         pipe_cls._trace_with_export = plain
+
+
+def _inline_no_grad(gm: torch.fx.GraphModule) -> None:
+    """[Note: a no_grad block in a traced forward]
+    export turns a ``with torch.no_grad():`` block of ``forward`` (an EMA update, an MoE router's counts) into a
+    higher-order op that calls a submodule of its own, and pipelining's split loses that submodule when the block
+    lands in a stage after the first (``'InterpreterModule' object has no attribute 'submod_1'``, pytorch#164030):
+    the model could not be cut there. Each such block is put back in line, its inputs detached: what it computes
+    needs no gradient either way, and what it writes in place (a buffer) is written through the detached view, as
+    before. A block that holds a higher-order op or a submodule of its own is left as it is."""
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    for node in list(gm.graph.nodes):
+        if not (node.op == "call_function" and node.target is hop and node.args[0] is False):
+            continue
+        sub = getattr(gm, node.args[1].target)
+        body = [n for n in sub.graph.nodes if n.op not in ("placeholder", "output")]
+        if any(n.op != "call_function" or isinstance(n.target, torch._ops.HigherOrderOperator) for n in body) or any(
+                u.target is not operator.getitem for u in node.users):
+            continue
+        keep = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
+        env = {}
+        with gm.graph.inserting_before(node):
+            for ph, arg in zip([n for n in sub.graph.nodes if n.op == "placeholder"], node.args[2:]):
+                env[ph] = arg
+                if isinstance(arg, torch.fx.Node):
+                    env[ph] = gm.graph.call_function(torch.ops.aten.detach.default, (arg,))
+                    env[ph].meta.update(keep, **({"val": arg.meta["val"].detach()} if "val" in arg.meta else {}))
+            for n in body:
+                env[n] = gm.graph.node_copy(n, lambda a: env[a])
+        out = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, sub.graph.output_node().args[0])
+        for user in list(node.users):
+            user.replace_all_uses_with(out[user.args[1]], propagate_meta=False)
+            gm.graph.erase_node(user)
+        submodule = node.args[1]
+        gm.graph.erase_node(node)
+        if not submodule.users:
+            gm.graph.erase_node(submodule)
+            delattr(gm, submodule.target)
+    gm.recompile()
 
 
 def _dims(t: torch.Tensor, batch) -> dict:

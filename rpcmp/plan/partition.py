@@ -26,8 +26,6 @@ import torch
 from torch import nn
 
 import torch.utils._pytree as pytree
-from torch.nn.utils.parametrizations import _SpectralNorm
-from torch.nn.utils.spectral_norm import SpectralNorm
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
@@ -40,10 +38,11 @@ from .export import traces
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
+from .writes import has_batch_state, written_buffers
 from ..errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "replan", "build_stage", "build_empty", "warm_trace", "declaration_kind",
-           "has_batchnorm"]
+           "has_batch_state"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +89,7 @@ class StageSpec:
     total: int = 0  # "slice": layers the whole nn.Sequential must have (sum of the balance)
     example: Any = None  # "traced": shapes and dtypes of the micro-batch the owner traces with
     has_bn: bool = False  # "traced": the model has BatchNorm (a traced graph holds no BatchNorm modules)
+    writes: tuple[str, ...] = ()  # buffers the model's training forward writes (rpcmp.plan.writes), where a sample was given
     unused: tuple[str, ...] = ()  # "traced": tensors no graph reads, kept here (see [Note: parameters forward does not use])
     tied: tuple[tuple[str, str], ...] = ()  # (name here, the unsplit model's first name) of parameters other stages share
     sizes: tuple = ()  # "traced": per input tensor, each dimension's size where the graph fixes it, else None
@@ -115,8 +115,12 @@ def declaration_kind(stages: Any) -> str:
 
 
 def plan_stages(job, sample: Any = None) -> list[StageSpec]:
-    """Resolve ``job.stages`` into :class:`StageSpec` records (master side)."""
+    """Resolve ``job.stages`` into :class:`StageSpec` records (master side); with a ``sample`` batch, each also says
+    which buffers the model's forward writes (:func:`rpcmp.plan.writes.written_buffers`)."""
     specs = _plan(job, sample)
+    if sample is not None and specs[0].kind != "modules":  # stages given as modules: there is no whole model to run
+        writes = written_buffers(job, sample)
+        specs = [replace(s, writes=writes) for s in specs]
     if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
         warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
                       "stages uncompiled, with its names (no '_orig_mod.' prefix)", stacklevel=2)
@@ -318,7 +322,7 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     sizes = input_sizes(pipe, example)
     if job.stages.lengths == "any":
         require_any_length(meta_model(job), example, sizes)
-    bn = has_batchnorm(model)
+    bn = has_batch_state(model)
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
                       example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
@@ -331,9 +335,11 @@ def replan(job, specs: list[StageSpec], cut: Any) -> list[StageSpec]:
     ``cut`` is a balance (layer counts) for a ``Split``, the points of a ``SplitAt`` for a traced split."""
     if specs[0].kind == "traced":
         points = cut.points if isinstance(cut, SplitAt) else tuple(cut)
-        return _trace_plan(replace(job, stages=SplitAt(*points, lengths=job.stages.lengths)),
-                           from_example(specs[0].example, "meta"))
-    return plan_stages(replace(job, stages=Split([int(b) for b in cut])), None)
+        new = _trace_plan(replace(job, stages=SplitAt(*points, lengths=job.stages.lengths)),
+                          from_example(specs[0].example, "meta"))
+    else:
+        new = plan_stages(replace(job, stages=Split([int(b) for b in cut])), None)
+    return [replace(s, writes=specs[0].writes) for s in new]  # what the forward writes is the model's, not the cut's
 
 
 def _as_cut(job, spec: StageSpec):
@@ -341,16 +347,6 @@ def _as_cut(job, spec: StageSpec):
     if spec.kind != "traced" or not spec.cut or spec.cut == job.stages.points:
         return job
     return replace(job, stages=SplitAt(*spec.cut, lengths=job.stages.lengths))
-
-
-def has_batchnorm(module: nn.Module, spec: StageSpec | None = None) -> bool:
-    """Whether a stage (or model) updates state from each training batch in its forward: BatchNorm's statistics
-    over the batch, spectral norm's power iteration (``_u``, ``_v``, one step per forward). Its micro-batches then
-    update it once each, where the unsplit model does once a batch (Job.batchnorm). A traced stage's graph holds
-    no such module: its spec says whether the model had one."""
-    return bool(spec is not None and spec.has_bn) or any(
-        isinstance(m, (nn.modules.batchnorm._BatchNorm, _SpectralNorm))
-        or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()) for m in module.modules())
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:

@@ -20,6 +20,7 @@ from ..master.livecopy import LiveCopies
 from ..master.recovery import RolledBack, Snapshots
 from ..owner import move as owner_move
 from ..plan.placement import process_name
+from ..plan.writes import whole_batch_note
 from ..master.move import warm
 from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
@@ -343,9 +344,7 @@ class PipelineEngine:
             text += (f"\nspares: {', '.join(self.live.spares)}: one takes over the stages of a lost owner, rebuilt from "
                      f"the live copy in another replica (no step lost)")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
-            text += (f"\nthe model has BatchNorm or spectral norm: each batch runs as 1 micro-batch so that what its "
-                     f"forward updates is updated once a batch (Job.batchnorm='batch'); batchnorm='micro' pipelines "
-                     f"{pipe.microbatches} micro-batches, updating it once each")
+            text += "\n" + whole_batch_note(pipe.specs[0].writes, pipe.microbatches)
         return text
 
     def explain(self, exc: BaseException) -> BaseException:

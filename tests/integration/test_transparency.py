@@ -162,11 +162,11 @@ TRACED_BN = [("sgd", "overlap"), ("adam", "gpipe")]
 
 def _train_traced(job, world_size):
     from rpcmp.plan.materialize import meta_model
-    from rpcmp.plan.partition import has_batchnorm
+    from rpcmp.plan.partition import has_batch_state
     train, _ = job.data()
     data = [train[i * job.batch_size:(i + 1) * job.batch_size] for i in range(STEPS)]
     out = {}
-    for opt, sched in TRACED_BN if has_batchnorm(meta_model(job)) else TRACED:
+    for opt, sched in TRACED_BN if has_batch_state(meta_model(job)) else TRACED:
         pipe = rpcmp.Pipeline(job, world_size, optimizer=TRACED_OPTIMIZERS[opt], schedule=sched)
         losses = [pipe.train_step(x, y).item() for x, y in data]
         out[(opt, sched)] = (losses, pipe.state_dict(), [s.name for s in pipe.specs], pipe.batch_chunks)

@@ -365,3 +365,49 @@ def test_spectral_norm_trains_as_the_unsplit_model_with_micro_batches(job, kind)
     assert_close_f32(losses, ref_losses)
     assert_close_f32(pipe.state_dict(), ref_state)
     pipe.close()
+
+
+class _RunningMean(torch.nn.Module):
+    """A user's own running statistic (an EMA of the features): its training forward writes a buffer in place,
+    as BatchNorm's does, but it is no module rpcmp knows by type."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return torch.tanh(x - self.mean)
+
+
+class _Chain(torch.nn.Module):  # not an nn.Sequential: stages given by name are checked against its forward
+    def __init__(self):
+        super().__init__()
+        self.inp, self.norm, self.out = torch.nn.Linear(16, 32), _RunningMean(32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.out(self.norm(self.inp(x)))
+
+
+@pytest.mark.parametrize("stages", ["split", "names", "traced"])
+def test_a_buffer_the_forward_writes_is_written_once_a_batch_as_by_the_unsplit_model(job, stages):
+    """A forward that writes a buffer (a running mean) wrote it once per micro-batch on a split run, where the unsplit
+    model does once a batch, and the model drifted without a word. Any buffer the training forward writes is now
+    found when the stages are planned, and the run trains each batch as one micro-batch, as for BatchNorm."""
+    model, declared = {"split": (lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), _RunningMean(32),
+                                                              torch.nn.Linear(32, 8)), rpcmp.Split([2, 1])),
+                       "names": (_Chain, ["inp", ("norm", "out")]),
+                       "traced": (_Chain, rpcmp.SplitAt("norm"))}[stages]
+    job = dataclasses.replace(job, model=model, stages=declared, optimizer=(torch.optim.Adam, {"lr": 0.01}))
+    serve(job)
+    data = batches(3)
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, data)
+    pipe = rpcmp.Pipeline(job, world_size=1, microbatches=4, sample=data[0][0])
+    assert pipe.batch_chunks == 1  # as for BatchNorm (Job.batchnorm="batch")
+    losses = [pipe.train_step(x, y).item() for x, y in data]
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(pipe.state_dict(), ref_state)
+    pipe.close()

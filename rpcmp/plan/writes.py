@@ -1,0 +1,66 @@
+"""What a model's training forward updates besides its parameters: BatchNorm's statistics, spectral norm's power
+iteration, and any buffer a forward of the user's writes (a running mean, an EMA codebook, a quantization
+observer's range). A split run updates such state once per micro-batch where the unsplit model does once a batch,
+so a model that has it runs each training batch as one micro-batch under ``Job(batchnorm="batch")``, the default
+(see [Note: BatchNorm and micro-batches] in rpcmp/master/pipeline.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm
+
+from .materialize import meta_model
+
+__all__ = ["has_batch_state", "written_buffers", "whole_batch_note"]
+
+
+def has_batch_state(module: nn.Module, spec=None) -> bool:
+    """Whether a stage (or model) updates state from each training batch in its forward: a module of a known kind
+    (:func:`_known`), or, from the plan (``spec``), a traced model with BatchNorm (a traced graph holds no BatchNorm
+    modules) or a model whose forward writes buffers (:func:`written_buffers`)."""
+    return bool(spec is not None and (spec.has_bn or spec.writes)) or any(_known(m) for m in module.modules())
+
+
+def _known(m: nn.Module) -> bool:
+    """BatchNorm (statistics over the batch) or spectral norm (``_u``, ``_v``: one power-iteration step per forward),
+    as a parametrization or as the older hook."""
+    return (isinstance(m, (nn.modules.batchnorm._BatchNorm, _SpectralNorm))
+            or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()))
+
+
+def written_buffers(job, sample: Any) -> tuple[str, ...]:
+    """The buffers that ``job.model()``'s training forward writes on every call, in place or by putting another tensor
+    in their place, other than those of a module :func:`has_batch_state` knows by its kind; by the unsplit model's
+    names. Found by running a model built on the meta device (no memory, no arithmetic) twice on ``sample``: a write
+    in the second call counts, so a cache a forward builds on its first call and then only reads does not. () for a
+    forward that cannot run on the meta device (one that reads values, ``if mask.all():``): its writes are not known."""
+    model = meta_model(job).train()
+    x = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
+    try:
+        model(x)
+        before = _stamps(model)
+        model(x)
+    except Exception:  # noqa: BLE001 - a forward that needs values: not known, as before this check
+        return ()
+    after = _stamps(model)
+    return tuple(n for n, stamp in after.items() if before.get(n) != stamp
+                 and not _known(model.get_submodule(n.rpartition(".")[0])))
+
+
+def _stamps(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each buffer's identity and version counter (which every in-place write advances)."""
+    return {n: (id(b), b._version) for n, b in model.named_buffers(remove_duplicate=False)}
+
+
+
+def whole_batch_note(writes: tuple[str, ...], microbatches: int) -> str:
+    """The run banner's line for a model that runs each training batch as one micro-batch, and why."""
+    what = ("it writes " + ", ".join(writes[:3]) + (f" and {len(writes) - 3} more buffers" if len(writes) > 3 else "")
+            if writes else "BatchNorm or spectral norm")
+    return (f"the model's training forward updates state ({what}): each batch runs as 1 micro-batch so that it is "
+            f"updated once a batch, as by the unsplit model (Job.batchnorm='batch'); batchnorm='micro' pipelines "
+            f"{microbatches} micro-batches, updating it once each")
