@@ -145,6 +145,12 @@ def _what_to_do(model: nn.Module, error: str) -> str:
         return (f"{found.group(0)}. The model's output holds a {found.group(1)}, which rpcmp cannot take apart to "
                 f"pass between stages: return tensors or tuples, lists and dicts of them, or register the class with "
                 f"torch.utils._pytree.register_pytree_node")
+    if re.search(r"attribute '?submod_\d+", error):  # a higher-order op's submodule, lost: see _inline_no_grad
+        return (f"{error.splitlines()[0]}. forward changes a global mode in a block (`with torch.autocast(...)`, "
+                f"`with torch.enable_grad()`), which export makes a submodule of its own and "
+                f"torch.distributed.pipelining's split then loses (pytorch#164030; a `torch.no_grad()` block is kept): "
+                f"enter the block only where the mode changes (`torch.is_autocast_enabled()`), or declare the stages "
+                f"by name or as modules")
     return (f"{error.splitlines()[0][:300] if error else ''}. Data-dependent control flow (an `if` on a tensor's "
             f"values) cannot be traced: use torch.cond, move it into one stage's module and declare the stages as "
             f"modules, or cut an nn.Sequential with rpcmp.Split")

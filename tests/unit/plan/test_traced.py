@@ -338,3 +338,24 @@ def test_a_compiled_model_is_split_as_the_module_it_wraps_with_its_names():
     assert [n for s in stages for n, _ in s.named_parameters()] == [n for n, _ in Classifier().named_parameters()]
     torch.manual_seed(job.seed)
     torch.testing.assert_close(out, Classifier()(x))
+
+
+class _Autocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        with torch.autocast("cpu", enabled=False):  # as a model does to keep a part in float32
+            x = torch.tanh(self.mid(x.float()))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("point", ["mid", "out"])
+def test_an_autocast_block_is_refused_saying_why_and_what_to_do(point):
+    """pipelining's split loses a block that changes a global mode; the trace failed with an AttributeError and rpcmp
+    blamed data-dependent control flow, which the model does not have."""
+    with pytest.raises(PartitionError, match=r"changes a global mode in a block \(`with torch.autocast.*pytorch#164030.*"
+                                             r"declare the stages by name or as modules"):
+        trace_split(_Autocast().to("meta"), rpcmp.SplitAt(point), torch.randn(4, 8, device="meta"))
