@@ -168,6 +168,8 @@ class Job:
     # minutes, a bound that is left only to catch a call that never ends. With spares the RPC timeout is
     # also how a silent worker on another host is found (it cannot be killed from here), and it stays 60 s.
     # A call that does run out while every process answers says so (health.explain) and names this field.
+    # DDP mode's collectives wait as long: a frozen rank is found by the heartbeats (rank 0 watches every
+    # rank, every rank watches rank 0), which a pause of every rank does not fool.
     @property
     def call_timeout(self) -> float:
         """``rpc_timeout``, or its default (see [Note: a paused job goes on])."""

@@ -259,19 +259,23 @@ class Watchdog(threading.Thread):
 
 class Heartbeats(threading.Thread):
     """DDP mode has no RPC to ping with: every rank counts its beats in the rendezvous store
-    each second, and rank 0 ends the job when one has been silent for ``timeout`` seconds.
-    After a collective fails, :meth:`explain` names the ranks that went silent.
+    each second; rank 0 ends the job when another has been silent for ``timeout`` seconds, and
+    every other rank ends itself when rank 0 has (nothing else would: a collective may wait
+    Job.call_timeout). After a collective fails, :meth:`explain` names the ranks that went silent.
 
     [Note: heartbeats without wall clocks]
     A beat is a counter, not a time stamp: each rank notes, on its own monotonic clock,
     when it last saw another rank's counter move. Stamps of ``time.time()`` compared
     across nodes made a clock skew above ``hang_timeout`` end a healthy job. A store
-    error does not end the thread: it is said once and the beats go on when the store
-    answers again."""
+    error does not end the thread on rank 0: it is said once and the beats go on when the
+    store answers again (the other ranks: see :meth:`_round`)."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, store, status: RunStatus, interval: float = 1.0):
+    def __init__(self, rank: int, world_size: int, timeout: float, store, status: RunStatus, interval: float = 1.0,
+                 store_timeout: float = 30.0):
         super().__init__(daemon=True, name="rpcmp-heartbeats")
         self.rank, self.world, self.timeout, self.store, self.interval = rank, world_size, timeout, store, interval
+        self.store_timeout = store_timeout  # how long one call to ``store`` may wait
+        self._pending = None  # the call to the store out now: (its end, what it found)
         self.status = status
         self._halt = threading.Event()
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its count, when it last moved, monotonic)
@@ -296,29 +300,69 @@ class Heartbeats(threading.Thread):
         return out
 
     def run(self) -> None:
-        last = time.monotonic()
+        last = self._answered = time.monotonic()
         while not self._halt.wait(self.interval):
             now = time.monotonic()
             if now - last > 3 * self.interval + 2.0:  # this process was stopped: so may the others have been
-                self._seen = {r: (count, now) for r, (count, _) in self._seen.items()}
-            last = now
-            try:
-                self._beat()
-                lost = self.silent(self.timeout) if self.rank == 0 and self.timeout else []
-            except Exception as exc:  # noqa: BLE001 - said once; the beats resume when the store answers
-                self.store_errors += 1
-                if self.store_errors == 1 and not self._halt.is_set():
-                    print(f"rpcmp: warning: rank {self.rank}: the heartbeat store did not answer ({type(exc).__name__}: "
-                          f"{exc}); retrying every {self.interval:.0f}s", file=sys.stderr, flush=True)
-                continue
+                self._fresh(now)
+            lost, how = self._round(now)
+            last = time.monotonic()  # a round may wait for the store: only the wait between rounds is a gap
             if lost and not self._halt.is_set():
-                names = [f"worker{r}" for r in lost]
-                print("rpcmp: error: WorkerLostError: " + self.status.describe(
-                    names, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"),
-                    file=sys.stderr, flush=True)
+                names = [f"worker{r}" if r else "master" for r in lost]
+                print("rpcmp: error: WorkerLostError: " + self.status.describe(names, how), file=sys.stderr, flush=True)
                 for child in multiprocessing.active_children():
                     child.kill()
                 os._exit(3)
+
+    def _fresh(self, now: float) -> None:
+        """Every rank, and the store, get a whole ``timeout`` from ``now`` (this process was stopped)."""
+        self._seen = {r: (count, now) for r, (count, _) in self._seen.items()}
+        self._answered = now
+
+    def _round(self, now: float) -> tuple[list[int], str]:
+        """One beat and one look: the ranks this one finds silent (rank 0 looks at every rank, the others at rank
+        0), and how. The store is rank 0's process in a local run: on the other ranks, a store that has not answered
+        for ``timeout`` is rank 0 silent too."""
+        try:
+            lost = self._look()
+            self._answered = time.monotonic()
+            return lost, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)"
+        except Exception as exc:  # noqa: BLE001 - said once; the beats resume when the store answers
+            if time.monotonic() - now > 1.5 * self.store_timeout + 2.0:  # stopped while the call was out
+                self._fresh(time.monotonic())
+                return [], ""
+            if self.rank and self.timeout and time.monotonic() - self._answered > self.timeout:
+                return [0], (f"did not answer for {self.timeout:.0f}s, nor did the store it serves (hung or "
+                             f"unreachable; Job.hang_timeout)")
+            self.store_errors += 1
+            if self.store_errors == 1 and not self._halt.is_set():
+                print(f"rpcmp: warning: rank {self.rank}: the heartbeat store did not answer ({type(exc).__name__}: "
+                      f"{exc}); retrying every {self.interval:.0f}s", file=sys.stderr, flush=True)
+            return [], ""
+
+    def _look(self) -> list[int]:
+        """Beat and look at the others (:meth:`silent`) on a thread of its own, waited for ``store_timeout``: a
+        store whose process is frozen keeps a call waiting whatever its timeout says, and the call is not made
+        again until it returns."""
+        if self._pending is None:
+            done, box = threading.Event(), {}
+
+            def call():
+                try:
+                    self._beat()
+                    box["lost"] = self.silent(self.timeout, ranks=None if self.rank == 0 else [0]) if self.timeout else []
+                except Exception as exc:  # noqa: BLE001 - raised on the heartbeat thread below
+                    box["error"] = exc
+                done.set()
+            self._pending = (done, box)
+            threading.Thread(target=call, daemon=True, name="rpcmp-heartbeat-call").start()
+        done, box = self._pending
+        if not done.wait(self.store_timeout):
+            raise TimeoutError(f"no answer in {self.store_timeout:.0f}s")
+        self._pending = None
+        if "error" in box:
+            raise box["error"]
+        return box["lost"]
 
     def explain(self, exc: BaseException) -> BaseException:
         deadline = time.monotonic() + 3.0
@@ -328,7 +372,7 @@ class Heartbeats(threading.Thread):
             except Exception:  # noqa: BLE001
                 break
             if lost:
-                return WorkerLostError(self.status.describe([f"worker{r}" for r in lost],
+                return WorkerLostError(self.status.describe([f"worker{r}" if r else "master" for r in lost],
                                                 f"stopped answering ({type(exc).__name__}: {str(exc).splitlines()[0]})"))
             time.sleep(0.25)
         return exc

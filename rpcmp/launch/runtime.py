@@ -250,7 +250,7 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
 def _run_ddp_rank(job: Job, rank: int, world_size: int, main, local_rank: int | None) -> Any:
     """DDP mode: no RPC; every rank runs ``main`` (the trainer) in one process group."""
     from ..train.ddp import join, leave
-    join(rank, world_size, job.hang_timeout, rank if local_rank is None else local_rank)
+    join(rank, world_size, job.hang_timeout, job.call_timeout, rank if local_rank is None else local_rank)
     try:
         result = main(job, world_size) if main is not None else None
     finally:

@@ -35,31 +35,29 @@ from ..data import data_loader, step_groups
 
 __all__ = ["DDPEngine", "init_ddp", "join", "leave"]
 
-_MIN_COLLECTIVE_S = 60.0  # a collective may take this long, whatever Job.hang_timeout says
 
-
-def init_ddp(rank: int, world_size: int, hang_timeout: float = 0, local_rank: int | None = None) -> torch.device:
-    """Join the process group (env://) and pick this rank's device.
-
-    A collective that waits longer than ``hang_timeout`` (when set) fails instead of
-    waiting out the 30-minute default for a rank that froze.
-    """
+def init_ddp(rank: int, world_size: int, collective_timeout: float, local_rank: int | None = None) -> torch.device:
+    """Join the process group (env://) and pick this rank's device. A collective may wait ``collective_timeout``
+    (Job.call_timeout): a rank that froze is found sooner by the heartbeats (Job.hang_timeout), which a pause of
+    every rank does not fool (see [Note: a paused job goes on] in rpcmp/job.py)."""
     cuda = torch.cuda.is_available()
     local_rank = rank if local_rank is None else local_rank
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=max(hang_timeout, _MIN_COLLECTIVE_S)) if hang_timeout else None
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout))
     return device
 
 
-def join(rank: int, world_size: int, hang_timeout: float = 0, local_rank: int | None = None) -> None:
+def join(rank: int, world_size: int, hang_timeout: float, collective_timeout: float, local_rank: int | None = None) -> None:
     """Make this process DDP rank ``rank``: process group, device, heartbeats to its peers."""
     from ..core.health import Heartbeats
     served = current()
-    served.device = init_ddp(rank, world_size, hang_timeout, local_rank)
-    beats = served.heartbeats = Heartbeats(rank, world_size, hang_timeout, launch_store(30), served.status)
+    served.device = init_ddp(rank, world_size, collective_timeout, local_rank)
+    store_s = min(30.0, max(hang_timeout, 2.0)) if hang_timeout else 30.0  # a store call never waits past a hang
+    beats = served.heartbeats = Heartbeats(rank, world_size, hang_timeout, launch_store(store_s), served.status,
+                                           store_timeout=store_s)
     beats._beat()
     beats.start()
 

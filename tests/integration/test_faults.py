@@ -226,12 +226,14 @@ def _stopped_at(proc, metrics: str, steps: int) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_job_stopped_for_longer_than_a_minute_and_continued_goes_on_as_if_never_stopped(tmp_path):
+@pytest.mark.parametrize("mode", ["pipeline", "ddp"])
+def test_a_job_stopped_for_longer_than_a_minute_and_continued_goes_on_as_if_never_stopped(tmp_path, mode):
     """Every process of a run stopped mid-training for 65 s (Ctrl-Z, a frozen container), then continued: the run
     ends 0 with the model of a run never stopped. Every call in flight had run past its deadline when the processes
-    ran again; with 60 s for every call the step failed ("RPC ran for more than set timeout"), exit 1. A run left
-    alone trains meanwhile, on the cores the stopped one leaves free."""
-    common = [job_path("three"), "--local", "4", "--max-steps", "120", "--hang-timeout", "10"]
+    ran again; with 60 s for every call the step failed ("RPC ran for more than set timeout"), exit 1; in DDP mode a
+    collective's 60 s ran out the same way. A run left alone trains meanwhile, on the cores the stopped one leaves free."""
+    common = [job_path("three"), "--local", "4" if mode == "pipeline" else "2", "--mode", mode, "--max-steps", "120",
+              "--hang-timeout", "10"]
     metrics = str(tmp_path / "m.jsonl")
     with _rpcmp_run(*common, "--checkpoint-dir", str(tmp_path / "stopped"), "--metrics", metrics) as proc:
         _stopped_at(proc, metrics, 40)
@@ -245,6 +247,32 @@ def test_a_job_stopped_for_longer_than_a_minute_and_continued_goes_on_as_if_neve
     a, b = load_checkpoint(str(tmp_path / "alone")), load_checkpoint(str(tmp_path / "stopped"))
     assert a["step"] == b["step"] == 120
     assert_close_f32(b["model"], a["model"])
+
+
+@pytest.mark.timeout(150)
+def test_ddp_rank_0_stopped_past_the_hang_timeout_ends_the_other_ranks_naming_it(tmp_path):
+    """Rank 0 (the master) frozen in DDP mode: nothing pings it, and the other ranks waited in their collective for
+    60 s and died of a raw gloo error. Every rank now watches rank 0's heartbeats and ends itself after --hang-timeout,
+    naming it; the master, continued, finds its peers gone and ends too; no process is left."""
+    metrics = str(tmp_path / "m.jsonl")
+    with _rpcmp_run(job_path("mlp"), "--local", "3", "--mode", "ddp", "--batch-size", "12", "--epochs", "200", "--hang-timeout", "10",
+                    "--metrics", metrics) as proc:
+        deadline = time.monotonic() + 90
+        while metric_steps(metrics) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        workers = {p: (_started(p) or (None, None))[1] for p in _workers(proc.pid)}
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        while [p for p, t in workers.items() if _alive(p, t)] and time.monotonic() - start < 60:
+            time.sleep(0.2)
+        waited = time.monotonic() - start
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    assert waited < 10 + 25, f"the other ranks took {waited:.1f}s to end"
+    assert proc.returncode != 0, err
+    assert "master (DDP replica) did not answer for 10s" in err, err
 
 
 @pytest.mark.timeout(120)

@@ -27,7 +27,7 @@ def _wait(predicate, timeout=10.0):
 
 def test_a_wall_clock_step_does_not_make_a_beating_rank_silent(store, monkeypatch):
     watcher = Heartbeats(0, 2, 1.0, store, RunStatus())
-    beating = Heartbeats(1, 2, 1.0, store, RunStatus(), interval=0.05)
+    beating = Heartbeats(1, 2, 0, store, RunStatus(), interval=0.05)  # beats; looks at nothing (rank 0 does not beat)
     beating.start()
     try:
         assert watcher.silent(0.5) == []
@@ -64,6 +64,48 @@ def test_rank_0_stopped_with_the_others_and_continued_gives_them_a_fresh_window(
         watcher.stop()
         watcher.join()
     assert exits == []
+
+
+def test_a_rank_whose_rank_0_stops_beating_ends_itself_naming_the_master(store, monkeypatch, capfd):
+    """DDP mode: a collective may wait Job.call_timeout; a rank 0 that froze is found by the other ranks' heartbeats."""
+    exits = []
+    monkeypatch.setattr(health.os, "_exit", lambda code: exits.append(code) or beats.stop())
+    store.add("rpcmp/hb/0", 1)  # rank 0 beat once, then froze
+    beats = Heartbeats(1, 2, 0.5, store, RunStatus(), interval=0.05)
+    beats.start()
+    _wait(lambda: exits)
+    beats.join()
+    assert exits == [3]
+    assert "WorkerLostError: before the first step: master (DDP replica) did not answer for 0s" in capfd.readouterr().err
+
+
+class SilentStore:
+    """The store of a local run lives in rank 0's process: frozen with it, a call waits and never ends."""
+
+    def add(self, key, value):
+        time.sleep(3600)
+
+
+def test_a_rank_whose_store_stops_answering_ends_itself_but_not_for_a_call_its_own_pause_made_late(monkeypatch, capfd):
+    """A frozen store keeps a call waiting whatever its own timeout says: the heartbeat waits for it on the side."""
+    exits = []
+    monkeypatch.setattr(health.os, "_exit", lambda code: exits.append(code) or beats.stop())
+    beats = Heartbeats(1, 2, 0.5, SilentStore(), RunStatus(), interval=0.05, store_timeout=0.1)
+    beats.start()
+    _wait(lambda: exits)
+    beats.join()
+    assert exits == [3] and "did not answer for 0s, nor did the store it serves" in capfd.readouterr().err
+    # a call out while this process was stopped (100 s pass on its clock) fails late: not rank 0's silence
+    real, late = time.monotonic, []
+    monkeypatch.setattr(health.time, "monotonic", lambda: real() + sum(late))
+
+    class StoppedMeanwhile:
+        def add(self, key, value):
+            late.append(100.0)
+            raise RuntimeError("Socket Timeout")
+    beats = Heartbeats(1, 2, 0.5, StoppedMeanwhile(), RunStatus(), interval=0.05, store_timeout=1.0)
+    beats._answered = start = health.time.monotonic()
+    assert beats._round(start) == ([], "") and beats._answered >= start + 100
 
 
 class FlakyStore:
