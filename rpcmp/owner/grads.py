@@ -67,7 +67,7 @@ def begin_reduce(pid: int, first_seq: int, count: int) -> bool:
         count_reduce(host)
         group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, _where(host), group, group.size(), first_seq, count,
-                                 hook=not host.posts, stats=running_stats(host.module))
+                                 hook=not host.posts, stats=running_stats(host.module, host.spec))
     return _needs_word(hosts)
 
 

@@ -58,7 +58,8 @@ own, and the model was not an uninterrupted run's. The same flat buffer carries 
 puts in its running statistics, the others zeros, and every copy takes the sum, copy 0's, as
 DDP broadcasts rank 0's buffers (``broadcast_buffers=True``). Copy 0's statistics are exactly
 what they were before (the model a run saves is unchanged), and the copies are identical after
-every step, statistics included.
+every step, statistics included. Any other buffer the model's forward writes (a running mean of
+its own, found when the stages are planned: rpcmp.plan.writes) travels the same way.
 """
 from __future__ import annotations
 

@@ -291,11 +291,16 @@ def skip(pid: int, index: int, seq: int) -> None:
         host.gate.skip(seq)
 
 
-def running_stats(module: torch.nn.Module) -> list[torch.Tensor]:
+def running_stats(module: torch.nn.Module, spec: StageSpec | None = None) -> list[torch.Tensor]:
     """The running statistics of the norm layers in ``module`` (BatchNorm, InstanceNorm with
-    ``track_running_stats``): what each copy of a replicated stage moves on its own share."""
-    return [b for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-            for b in (m.running_mean, m.running_var) if b is not None]
+    ``track_running_stats``) and the buffers the model's forward writes (``spec.writes``, by the unsplit
+    model's names): what each copy of a replicated stage moves on its own share."""
+    stats = [b for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+             for b in (m.running_mean, m.running_var) if b is not None]
+    own = dict(module.named_buffers()) if spec is not None else {}
+    written = [own[n[len(spec.prefix):]] for n in (spec.writes if spec is not None else ())
+               if n.startswith(spec.prefix) and n[len(spec.prefix):] in own]
+    return stats + [b for b in written if all(b is not s for s in stats)]
 
 
 def cancel(pid: int, seqs: list[int]) -> None:

@@ -41,9 +41,10 @@ def written_buffers(job, sample: Any) -> tuple[str, ...]:
     model = meta_model(job).train()
     x = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
     try:
-        model(x)
-        before = _stamps(model)
-        model(x)
+        with torch.random.fork_rng(devices=[]):  # the process's generators come out as they went in
+            model(x)
+            before = _stamps(model)
+            model(x)
     except Exception:  # noqa: BLE001 - a forward that needs values: not known, as before this check
         return ()
     after = _stamps(model)

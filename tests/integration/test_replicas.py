@@ -1,6 +1,7 @@
 """Pipeline x data parallel (Job(replicas=R)): R copies of the pipeline train as one pipeline on the
 global batch and as DDP on as many ranks; a checkpoint is written once and resumes under another R
 (real processes, real RPC, gloo process groups per stage)."""
+import dataclasses
 import os
 import shutil
 
@@ -60,6 +61,31 @@ def test_two_replicas_of_two_stages_train_as_one_pipeline_and_as_ddp_on_two_rank
         assert_close_f32(hybrid[name], single[name])  # losses (the mean over the copies) and parameters
         assert_close_f32(hybrid[name], ddp[name])
         assert list(hybrid[name][1]) == list(single[name][1])  # the unsplit model's names
+
+
+def _copies_steps(job, world_size):
+    """3 steps with Adam; each copy's state after them (one copy: the pipeline's)."""
+    import dataclasses
+    from rpcmp.train.engine import make_engine
+    pipe = make_engine(dataclasses.replace(job, optimizer=OPTIMIZERS["adam"]), world_size).pipe
+    losses = [pipe.train_step(x, y).item() for x, y in batches(3, size=8)]
+    return losses, [p.state_dict() for p in getattr(pipe, "pipes", [pipe])]
+
+
+def _ddp_adam(job, world_size):
+    return _ddp_steps(dataclasses.replace(job, optimizer=OPTIMIZERS["adam"]), world_size)["adam"]
+
+
+@pytest.mark.timeout(240)
+def test_a_buffer_the_forward_writes_is_copy_0_s_in_every_copy_as_ddp_takes_rank_0_s():
+    """A running mean of the model's own (tests/jobs/ema.py) moves on each copy's share, as BatchNorm's statistics:
+    every copy now takes copy 0's after each step, as DDP broadcasts rank 0's buffers, so the copies stay identical
+    (a copy rebuilt from another after a loss is the copy it replaces); they drifted apart before."""
+    (losses, (copy0, copy1)) = run_ranks("ema", 5, _copies_steps, {"replicas": 2})
+    ddp_losses, ddp_state = run_ranks("ema", 2, _ddp_adam, {"mode": "ddp"})
+    assert_close_f32(copy1, copy0)
+    assert_close_f32(copy0, ddp_state)
+    assert_close_f32(losses, ddp_losses)
 
 
 def _signed_steps(job, world_size):
