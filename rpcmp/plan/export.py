@@ -268,9 +268,10 @@ def _inline_no_grad(gm: torch.fx.GraphModule) -> None:
     """[Note: a no_grad block in a traced forward]
     export turns a ``with torch.no_grad():`` block of ``forward`` (an EMA update, an MoE router's counts) into a
     higher-order op that calls a submodule of its own, and pipelining's split loses that submodule
-    (``'InterpreterModule' object has no attribute 'submod_1'``, pytorch#164030): the model could not be cut. Each such block is put back in line, its inputs detached: what it computes
-    needs no gradient either way, and what it writes in place (a buffer) is written through the detached view, as
-    before. A block that holds a higher-order op or a submodule of its own is left as it is."""
+    (``'InterpreterModule' object has no attribute 'submod_1'``, pytorch#164030): the model could not be cut.
+    Each such block is put back in line, its inputs detached: what it computes needs no gradient either way,
+    and what it writes in place (a buffer) is written through the detached view, as before. A block that holds
+    a higher-order op or a submodule of its own is left as it is."""
     hop = torch.ops.higher_order.wrap_with_set_grad_enabled
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target is hop and node.args[0] is False):

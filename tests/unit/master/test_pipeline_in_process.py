@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, batches, train_reference
+from helpers import assert_close_f32, batches, load, train_reference
 from rpcmp.train.trainer import fit
 from rpcmp.core.served import current, serve
 from rpcmp.owner import reduce
@@ -367,19 +367,9 @@ def test_spectral_norm_trains_as_the_unsplit_model_with_micro_batches(job, kind)
     pipe.close()
 
 
-class _RunningMean(torch.nn.Module):
-    """A user's own running statistic (an EMA of the features): its training forward writes a buffer in place,
-    as BatchNorm's does, but it is no module rpcmp knows by type."""
-
-    def __init__(self, n: int):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(n))
-
-    def forward(self, x):
-        if self.training:
-            with torch.no_grad():
-                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
-        return torch.tanh(x - self.mean)
+# A user's own running statistic (tests/jobs/ema.py: an EMA of the features): its training forward writes a buffer
+# in place, as BatchNorm's does, but it is no module rpcmp knows by kind.
+_RunningMean = type(load("ema").model()[1])
 
 
 class _Chain(torch.nn.Module):  # not an nn.Sequential: stages given by name are checked against its forward
