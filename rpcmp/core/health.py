@@ -147,6 +147,17 @@ def reason(exc: BaseException) -> str:
     return (str(exc).splitlines() or [""])[0].split(" (this error originated")[0][:100]
 
 
+def loss_cause(error: BaseException, gone: str | None) -> str:
+    """What a recovery line says ended the step that lost ``gone``: one wording for a closed connection, whichever
+    call saw it first (the watch call's WorkerLostError, or a transport error from a call in flight)."""
+    text = reason(error)
+    if isinstance(error, WorkerLostError) or gone is None:
+        return text
+    if re.search(r"EOF|ECONNRESET|[Cc]onnection (reset|closed|refused)|[Bb]roken pipe", text):
+        return f"the connection to {gone} closed ({text})"
+    return f"{type(error).__name__}: {text}"
+
+
 def unresponsive(processes, timeout: float) -> list[str]:
     """The processes that do not answer a ping within ``timeout`` seconds (a dead one fails at once)."""
     return [p for p, why in _pings(processes, timeout).items() if why]

@@ -51,7 +51,7 @@ import time
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
-from ..core.health import reason, unresponsive
+from ..core.health import loss_cause, unresponsive
 from ..core.served import current
 from ..owner import live
 from ..owner import move as owner_move
@@ -115,8 +115,9 @@ class LiveCopies:
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
         what = (f"step {position[0] + 1} stood: replica {self.rep.pipes.index(source)} had taken it" if stood
                 else f"step {position[0] + 1} runs again" if in_step else redo)
-        return RolledBack(position, f"recovered: {first[1] if first else gone} was lost ({type(error).__name__}: "
-                                    f"{reason(error)}); replica {r} stage {names} rebuilt on {spare} "
+        who = first[1] if first else gone
+        return RolledBack(position, f"recovered: {who} was lost ({loss_cause(error, who)}); replica {r} stage {names} "
+                                    f"rebuilt on {spare} "
                                     f"from the live copy on {', '.join(source.owners[k] for k in stages)}; no step "
                                     f"lost ({what}){self._refilled(refill, r)}; "
                                     f"{time.perf_counter() - start:.2f} s",

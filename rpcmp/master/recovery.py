@@ -42,7 +42,7 @@ from typing import Any
 import torch.distributed.rpc as rpc
 
 from ..core.futures import wait_all
-from ..core.health import reason, unresponsive
+from ..core.health import loss_cause, reason, unresponsive
 from ..core.checkpoint import CheckpointError, load_checkpoint
 from ..core.served import current
 from ..owner import snapshot
@@ -201,8 +201,9 @@ class Snapshots:
                 raise
             return self.recover(error, position, in_step, redo, first=first or (start, gone))
         names = ", ".join(f"{k} ({pipe.specs[k].name})" for k in stages)
-        return RolledBack(position, f"recovered: {first[1] if first else gone} was lost ({type(error).__name__}: "
-                                   f"{reason(error)}); stage {names} rebuilt on {spare} from "
+        who = first[1] if first else gone
+        return RolledBack(position, f"recovered: {who} was lost ({loss_cause(error, who)}); stage {names} rebuilt on "
+                                   f"{spare} from "
                                    f"{source}; every stage rolled back to step {position[0]}; "
                                    f"{time.perf_counter() - start:.2f} s")
 

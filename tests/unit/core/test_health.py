@@ -11,6 +11,7 @@ from rpcmp.core import health
 from rpcmp.core.health import Heartbeats
 from rpcmp.launch.runtime import free_port
 from rpcmp.core.served import RunStatus
+from rpcmp.errors import WorkerLostError
 
 
 @pytest.fixture
@@ -208,3 +209,12 @@ def test_a_call_between_steps_that_met_a_lost_process_gives_the_default_and_name
     monkeypatch.setattr(health, "unresponsive", lambda processes, timeout: [])
     with pytest.raises(RuntimeError, match="EOF"):  # every process answers: the failure is its own
         health.unless_lost(fails, ["worker1", "worker2"])
+
+
+def test_a_recovery_line_names_a_closed_connection_alike_whichever_call_saw_it():
+    """The same loss read "RuntimeError: EOF: end of file" in one run and "WorkerLostError: the connection to worker1
+    closed (EOF: end of file)" in another, by which call failed first."""
+    watch = WorkerLostError("the connection to worker1 closed (EOF: end of file)")
+    assert health.loss_cause(watch, "worker1") == health.loss_cause(RuntimeError("EOF: end of file"), "worker1") == (
+        "the connection to worker1 closed (EOF: end of file)")
+    assert health.loss_cause(ValueError("bad shape"), "worker1") == "ValueError: bad shape"
