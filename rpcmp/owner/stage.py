@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from ..core.microbatch import check_tensors, map_tensors, tensors, to_device
 from ..core.wire import from_wire, to_wire
 from ..plan.graphs import described
 from ..plan.partition import StageSpec, build_empty, build_stage, has_batch_state
+from ..plan.writes import stamps, unknown_writes
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
 from .reduce import StepMerge, StepReduce
@@ -98,6 +100,7 @@ class StageHost:
     events: list | None = None  # (kind, seq, start, end) wall-clock slices while tracing, else None
     _bwd_start: dict = field(default_factory=dict)  # seq -> when its backward reached this stage
     moved_optimizer: tuple | None = None  # a stage just moved here: its optimizer state and fields (rpcmp.owner.move)
+    unchecked: int = 2  # training forwards of several micro-batches before the one that is checked (_checked_forward)
 
     def __post_init__(self):
         threads = torch.get_num_threads()
@@ -130,6 +133,8 @@ class StageHost:
             with self.lock:
                 if self.recompute and grad:
                     y = Recomputed.run(self.module, self.lock, self.device, x)
+                elif grad and self.unchecked and self.reduce is not None:
+                    y = self._checked_forward(x)
                 else:
                     y = self.module(x)
         check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
@@ -155,6 +160,25 @@ class StageHost:
         if posts is not None:
             self.bytes_out += sum(t.nbytes for t in tensors(posts))
             return y, posts
+        return y
+
+    def _checked_forward(self, x: Any) -> Any:
+        """The stage's second training forward of a micro-batch (a cache built on the first call is no write): say
+        so when it writes a buffer the plan did not find (rpcmp.plan.writes finds them on the meta device, where a
+        forward that reads values cannot run): the run writes it once per micro-batch, where the unsplit model does
+        once a batch."""
+        self.unchecked -= 1
+        if self.unchecked:
+            return self.module(x)
+        before = stamps(self.module)
+        y = self.module(x)
+        new = unknown_writes(self.module, before, {n[len(self.spec.prefix):] for n in self.spec.writes})
+        if new and current().job.batchnorm == "batch":
+            print(f"rpcmp: warning: stage {self.spec.index} ({self.spec.name}) on {self.place.process}: its training "
+                  f"forward writes {', '.join(new[:3])}{' and more' if len(new) > 3 else ''} on each micro-batch, "
+                  f"where the unsplit model writes once a batch, so this run trains another model (the plan did not find "
+                  f"it: the forward could not run on the meta device, or had no batch to run on). Job(microbatches=1) trains as the unsplit model; "
+                  f"Job(batchnorm='micro') says per micro-batch is meant", file=sys.stderr, flush=True)
         return y
 
     # -- tracing (``--trace FILE``): a slice per micro-batch forward and backward ------------

@@ -15,7 +15,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 
 from .materialize import meta_model
 
-__all__ = ["has_batch_state", "written_buffers", "whole_batch_note"]
+__all__ = ["has_batch_state", "written_buffers", "whole_batch_note", "stamps", "unknown_writes"]
 
 
 def has_batch_state(module: nn.Module, spec=None) -> bool:
@@ -43,16 +43,21 @@ def written_buffers(job, sample: Any) -> tuple[str, ...]:
     try:
         with torch.random.fork_rng(devices=[]):  # the process's generators come out as they went in
             model(x)
-            before = _stamps(model)
+            before = stamps(model)
             model(x)
     except Exception:  # noqa: BLE001 - a forward that needs values: not known, as before this check
         return ()
-    after = _stamps(model)
-    return tuple(n for n, stamp in after.items() if before.get(n) != stamp
-                 and not _known(model.get_submodule(n.rpartition(".")[0])))
+    return unknown_writes(model, before)
 
 
-def _stamps(model: nn.Module) -> dict[str, tuple[int, int]]:
+def unknown_writes(module: nn.Module, before: dict, known=()) -> tuple[str, ...]:
+    """The buffers of ``module`` written since their ``before`` :func:`stamps`, other than ``known`` ones and
+    those of a module :func:`has_batch_state` knows by its kind."""
+    return tuple(n for n, stamp in stamps(module).items() if before.get(n) != stamp and n not in known
+                 and not _known(module.get_submodule(n.rpartition(".")[0])))
+
+
+def stamps(model: nn.Module) -> dict[str, tuple[int, int]]:
     """Each buffer's identity and version counter (which every in-place write advances)."""
     return {n: (id(b), b._version) for n, b in model.named_buffers(remove_duplicate=False)}
 

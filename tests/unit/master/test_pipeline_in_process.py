@@ -401,3 +401,19 @@ def test_a_buffer_the_forward_writes_is_written_once_a_batch_as_by_the_unsplit_m
     assert_close_f32(losses, ref_losses)
     assert_close_f32(pipe.state_dict(), ref_state)
     pipe.close()
+
+
+def test_a_buffer_write_the_plan_could_not_find_is_said_at_the_first_step(job, capfd):
+    """Stages given as modules hold no whole model to run on the meta device: the owner finds the write at its first
+    training forward of several micro-batches, and says that the run trains another model and what to set."""
+    stages = [lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), _RunningMean(32)), lambda: torch.nn.Linear(32, 8)]
+    job = dataclasses.replace(job, stages=stages)
+    serve(job)
+    pipe = rpcmp.Pipeline(job, world_size=1, microbatches=4)
+    for x, y in batches(2):
+        pipe.train_step(x, y)
+    pipe.close()
+    err = capfd.readouterr().err
+    assert err.count("rpcmp: warning: stage 0") == 1, err
+    assert "its training forward writes 1.mean on each micro-batch, where the unsplit model writes once a batch" in err
+    assert "Job(microbatches=1) trains as the unsplit model" in err
