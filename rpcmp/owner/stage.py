@@ -176,9 +176,10 @@ class StageHost:
         if new and current().job.batchnorm == "batch":
             print(f"rpcmp: warning: stage {self.spec.index} ({self.spec.name}) on {self.place.process}: its training "
                   f"forward writes {', '.join(new[:3])}{' and more' if len(new) > 3 else ''} on each micro-batch, "
-                  f"where the unsplit model writes once a batch, so this run trains another model (the plan did not find "
-                  f"it: the forward could not run on the meta device, or had no batch to run on). Job(microbatches=1) trains as the unsplit model; "
-                  f"Job(batchnorm='micro') says per micro-batch is meant", file=sys.stderr, flush=True)
+                  f"where the unsplit model writes once a batch, so this run trains another model (the plan did not "
+                  f"find it: the forward could not run on the meta device, or had no batch to run on). "
+                  f"Job(microbatches=1) trains as the unsplit model; Job(batchnorm='micro') says per micro-batch is "
+                  f"meant", file=sys.stderr, flush=True)
         return y
 
     # -- tracing (``--trace FILE``): a slice per micro-batch forward and backward ------------

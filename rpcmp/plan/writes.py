@@ -53,14 +53,15 @@ def written_buffers(job, sample: Any) -> tuple[str, ...]:
 def unknown_writes(module: nn.Module, before: dict, known=()) -> tuple[str, ...]:
     """The buffers of ``module`` written since their ``before`` :func:`stamps`, other than ``known`` ones and
     those of a module :func:`has_batch_state` knows by its kind."""
-    return tuple(n for n, stamp in stamps(module).items() if before.get(n) != stamp and n not in known
+    return tuple(n for n, (b, version) in stamps(module).items()
+                 if (n not in before or before[n][0] is not b or before[n][1] != version) and n not in known
                  and not _known(module.get_submodule(n.rpartition(".")[0])))
 
 
-def stamps(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Each buffer's identity and version counter (which every in-place write advances)."""
-    return {n: (id(b), b._version) for n, b in model.named_buffers(remove_duplicate=False)}
-
+def stamps(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    """Each buffer and its version counter (which every in-place write advances); the buffer itself, not its id,
+    which a tensor put in its place may be given once the old one is freed."""
+    return {n: (b, b._version) for n, b in model.named_buffers(remove_duplicate=False)}
 
 
 def whole_batch_note(writes: tuple[str, ...], microbatches: int) -> str:
