@@ -38,7 +38,7 @@ from .export import traces
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
-from .writes import has_batch_state, written_buffers
+from .writes import has_batch_state, traced_writes, written_buffers
 from ..errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "replan", "build_stage", "build_empty", "warm_trace", "declaration_kind",
@@ -119,7 +119,7 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     which buffers the model's forward writes (:func:`rpcmp.plan.writes.written_buffers`)."""
     specs = _plan(job, sample)
     if sample is not None and specs[0].kind != "modules":  # stages given as modules: there is no whole model to run
-        writes = written_buffers(job, sample)
+        writes = tuple(dict.fromkeys(specs[0].writes + written_buffers(job, sample)))  # a SplitAt's graphs say some
         specs = [replace(s, writes=writes) for s in specs]
     if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
         warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
@@ -322,10 +322,10 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     sizes = input_sizes(pipe, example)
     if job.stages.lengths == "any":
         require_any_length(meta_model(job), example, sizes)
-    bn = has_batch_state(model)
+    bn, writes = has_batch_state(model), traced_writes(pipe, model)
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
-                      example=example_of(example), has_bn=bn, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
+                      example=example_of(example), has_bn=bn, writes=writes, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
                       cut=tuple(job.stages.points), one_graph=one)
             for i in range(pipe.num_stages)]
 

@@ -13,9 +13,10 @@ from torch import nn
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
+from .graphs import graphs
 from .materialize import meta_model
 
-__all__ = ["has_batch_state", "written_buffers", "whole_batch_note", "stamps", "unknown_writes"]
+__all__ = ["has_batch_state", "written_buffers", "traced_writes", "whole_batch_note", "stamps", "unknown_writes"]
 
 
 def has_batch_state(module: nn.Module, spec=None) -> bool:
@@ -48,6 +49,33 @@ def written_buffers(job, sample: Any) -> tuple[str, ...]:
     except Exception:  # noqa: BLE001 - a forward that needs values: not known, as before this check
         return ()
     return unknown_writes(model, before)
+
+
+def traced_writes(pipe, model: nn.Module) -> tuple[str, ...]:
+    """The buffers the graphs of a traced split (``pipe``) write in place, other than those of a module of ``model``
+    :func:`has_batch_state` knows by its kind; by the unsplit model's names. Found in the graphs, this holds also
+    for a forward that cannot run on the meta device (one that reads values, as most Hugging Face models do)."""
+    buffers, found = dict(model.named_buffers(remove_duplicate=False)), set()
+    for i in range(pipe.num_stages):
+        for prefix, _, graph in graphs(pipe.get_stage_module(i)):
+            for node in graph.nodes:
+                schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+                for arg, value in zip(schema.arguments if schema is not None else (), node.args):
+                    if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+                        root = _aliased(value)
+                        if root.op == "get_attr":
+                            found.add(f"{prefix}.{root.target}" if prefix else root.target)
+    return tuple(sorted(n for n in found if n in buffers and not _known(model.get_submodule(n.rpartition(".")[0]))))
+
+
+def _aliased(node: torch.fx.Node) -> torch.fx.Node:
+    """The node whose tensor ``node`` is: through views, ``detach`` and in-place ops, which return their input."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node):
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments or schema.arguments[0].alias_info is None:
+            break
+        node = node.args[0]
+    return node
 
 
 def unknown_writes(module: nn.Module, before: dict, known=()) -> tuple[str, ...]:

@@ -359,3 +359,34 @@ def test_an_autocast_block_is_refused_saying_why_and_what_to_do(point):
     with pytest.raises(PartitionError, match=r"changes a global mode in a block \(`with torch.autocast.*pytorch#164030.*"
                                              r"declare the stages by name or as modules"):
         trace_split(_Autocast().to("meta"), rpcmp.SplitAt(point), torch.randn(4, 8, device="meta"))
+
+
+class _Ema(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean((0, 1)))
+        return x - self.mean
+
+
+def _gpt2_with_an_ema():
+    import transformers
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=4,
+                                                                 n_head=4, use_cache=False))
+    model.transformer.ln_f = nn.Sequential(model.transformer.ln_f, _Ema(32))
+    return model
+
+
+@pytest.mark.model
+def test_a_traced_plan_finds_a_buffer_write_where_the_forward_cannot_run_on_the_meta_device():
+    """A Hugging Face model reads values in its forward (`.item()`), so the meta-device run that finds buffer writes
+    fails on it; a SplitAt plan finds the write in its graphs instead (an EMA after the last block)."""
+    from rpcmp.plan.writes import written_buffers
+    job = rpcmp.Job(model=_gpt2_with_an_ema, stages=rpcmp.SplitAt("transformer.h.2"))
+    x = torch.randint(0, 64, (4, 12))
+    assert written_buffers(job, x) == ()
+    assert all(s.writes == ("transformer.ln_f.1.mean",) for s in plan_stages(job, x))
