@@ -4,7 +4,8 @@
 The first SIGINT or SIGTERM to the master lets the step in flight finish, writes a checkpoint
 (with ``--checkpoint-dir``), skips the held-out evaluation, shuts every process down cleanly and
 exits ``128 + signal`` (130, 143): the run did not finish, and ``--resume`` continues it from that
-step. A second signal stops at once, as before. The master alone acts on it: an owner ignores
+step. A second signal to the master stops at once, as before (an owner's handed on is none: the
+same ``kill`` to every process often reaches the master after an owner's request). The master alone acts on it: an owner ignores
 SIGINT (Ctrl-C in a terminal reaches every process of ``--local N``, which would otherwise lose a
 stage mid-step) and waits for the master's word. An owner's first SIGTERM is handed to the master
 as its own (:func:`forward_on_worker`): ``docker stop``, a Kubernetes pod's end, systemd and a
@@ -33,6 +34,7 @@ class StopRequest:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
         self.signum: int | None = None
+        self.own = False  # this process received a signal itself (not one an owner handed on: requested)
         self._old: dict[int, object] = {}
 
     @property
@@ -58,7 +60,7 @@ class StopRequest:
         self._old = {}
 
     def _received(self, signum, frame) -> None:
-        if self.signum is not None:  # the second: stop at once, the way the handler before would have
+        if self.own:  # its second: stop at once, the way the handler before would have
             old = self._old.get(signum, signal.SIG_DFL)
             self._restore()
             if callable(old):
@@ -66,7 +68,10 @@ class StopRequest:
             else:
                 signal.raise_signal(signum)
             return
-        self._take(signum, "")
+        # its first; an owner's, handed on before it (the same `kill` to every process), is not a first of its own
+        self.own = True
+        if self.signum is None:
+            self._take(signum, "")
 
     def _take(self, signum: int, where: str) -> None:
         self.signum = signum
