@@ -122,6 +122,7 @@ class StepMerge:
         self.contexts: dict[int, int] = {}  # micro-batch -> its distributed-autograd context
         self.held: dict[int, dict] = {}  # micro-batch -> its gradients, taken when its backward left, merged in turn
         self.done: set[int] = set()  # micro-batches whose backward has left this stage
+        self.empty: set[int] = set()  # micro-batches whose output took no gradient: none of theirs to merge
         self.next = 0  # the next micro-batch to merge into the first's context
         self.error: Exception | None = None
         self.closed = False
@@ -132,6 +133,8 @@ class StepMerge:
         """Micro-batch ``seq``'s forward (with grad) on this stage: note its context, and hook its
         output so that the end of this process's part of its backward is known."""
         i = seq - self.first
+        if 0 <= i < self.count and not any(t.requires_grad for t in tensors(output)):
+            self.empty.add(i)  # sent on without a gradient (rpcmp.owner.reach): its backward never comes here
         if not self.hook or not 0 <= i < self.count:
             return
         self.contexts[i] = dist_autograd._current_context()._context_id()
@@ -170,6 +173,10 @@ class StepMerge:
     def _grads(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
         if i in self.held:
             return self.held[i]
+        if i in self.empty:
+            if not i and self._base is None:
+                self._base = {}
+            return self._base if not i else {}
         if i:
             try:
                 return param_grads(self._mine, self.contexts[i])

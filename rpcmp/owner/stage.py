@@ -47,6 +47,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from .admission import InOrder
+from .reach import reach
 from ..errors import StageError, StepCancelled
 from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
@@ -101,6 +102,8 @@ class StageHost:
     _bwd_start: dict = field(default_factory=dict)  # seq -> when its backward reached this stage
     moved_optimizer: tuple | None = None  # a stage just moved here: its optimizer state and fields (rpcmp.owner.move)
     unchecked: int = 2  # training forwards of several micro-batches before the one that is checked (_checked_forward)
+    cut: bool | None = None  # whether a received input is not in the output's backward (see [Note: an input the ...])
+    send_detached: bool = False  # the next stage said that it takes no gradient of this stage's output (.reach)
 
     def __post_init__(self):
         threads = torch.get_num_threads()
@@ -138,11 +141,15 @@ class StageHost:
                 else:
                     y = self.module(x)
         check_tensors(y, f"the output of stage {self.spec.index} ({self.spec.name})")
+        if grad:
+            y = reach(self, x, y)
         posts = None
         if self.posts:
             y, posts = y
             if self.device.type != "cpu":  # posts go as CPU tensors: device maps cover neighbours only
                 posts = to_device(posts, torch.device("cpu"))
+        if self.send_detached and self.next_process is not None:  # see [Note: an input the backward never ...]
+            y = map_tensors(y, torch.Tensor.detach)
         if self.device.type != "cpu" and self.next_process not in self.keep_on_device:
             y = to_device(y, torch.device("cpu"))
         if self.wire != "fp32":  # to later stages (the master's loss takes float32)

@@ -270,8 +270,12 @@ def _inline_no_grad(gm: torch.fx.GraphModule) -> None:
     higher-order op that calls a submodule of its own, and pipelining's split loses that submodule
     (``'InterpreterModule' object has no attribute 'submod_1'``, pytorch#164030): the model could not be cut.
     Each such block is put back in line, its inputs detached: what it computes needs no gradient either way,
-    and what it writes in place (a buffer) is written through the detached view, as before. A block that holds
-    a higher-order op or a submodule of its own is left as it is."""
+    and what it writes in place (a buffer) is written through the detached view, as before. One exception: an
+    op that returns its input itself (``x.flatten(0, -2)`` of a matrix, ``x.float()`` of a float, ``contiguous``)
+    gives back the very tensor, gradient and all, and export then takes the block's output for ``x`` from there
+    on; such an output is the block's own input again (:func:`_as_eager`), or everything before the block lost
+    its gradient (and the run hung waiting for it). A block that holds a higher-order op or a submodule of its own
+    is left as it is."""
     hop = torch.ops.higher_order.wrap_with_set_grad_enabled
     for node in list(gm.graph.nodes):
         if not (node.op == "call_function" and node.target is hop and node.args[0] is False):
@@ -284,14 +288,17 @@ def _inline_no_grad(gm: torch.fx.GraphModule) -> None:
         keep = {k: v for k, v in node.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
         env = {}
         with gm.graph.inserting_before(node):
-            for ph, arg in zip([n for n in sub.graph.nodes if n.op == "placeholder"], node.args[2:]):
+            placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            for ph, arg in zip(placeholders, node.args[2:]):
                 env[ph] = arg
                 if isinstance(arg, torch.fx.Node):
                     env[ph] = gm.graph.call_function(torch.ops.aten.detach.default, (arg,))
                     env[ph].meta.update(keep, **({"val": arg.meta["val"].detach()} if "val" in arg.meta else {}))
             for n in body:
                 env[n] = gm.graph.node_copy(n, lambda a: env[a])
-        out = pytree.tree_map(lambda a: env[a] if isinstance(a, torch.fx.Node) else a, sub.graph.output_node().args[0])
+            inputs = [(ph, arg, env[ph]) for ph, arg in zip(placeholders, node.args[2:])]
+            out = [_own_input(gm.graph, env[o], inputs) if isinstance(o, torch.fx.Node) else o
+                   for o in sub.graph.output_node().args[0]]
         for user in list(node.users):
             user.replace_all_uses_with(out[user.args[1]], propagate_meta=False)
             gm.graph.erase_node(user)
@@ -301,6 +308,32 @@ def _inline_no_grad(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(submodule)
             delattr(gm, submodule.target)
     gm.recompile()
+
+
+def _own_input(graph: torch.fx.Graph, out: torch.fx.Node, inputs) -> torch.fx.Node:
+    """``out`` of an inlined no_grad block, or, where it may be one of the block's detached inputs itself (it
+    shares that input's storage: ``inputs`` are the block's placeholders, their arguments and those detached),
+    a node that gives the undetached input in that case at run time."""
+    storage = _storage(out)
+    for placeholder, arg, detached in inputs:
+        if storage is not None and detached is not arg and _storage(placeholder) == storage:
+            node = graph.call_function(_as_eager, (out, detached, arg))
+            node.meta.update(out.meta)
+            out = node
+    return out
+
+
+def _storage(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return StorageWeakRef(val.untyped_storage())
+
+
+def _as_eager(out: torch.Tensor, detached: torch.Tensor, original: torch.Tensor) -> torch.Tensor:
+    """What eager's no_grad block gives: its input itself where the block's op returned it (see _inline_no_grad)."""
+    return original if out is detached else out
 
 
 def _dims(t: torch.Tensor, batch) -> dict:

@@ -7,6 +7,16 @@ stays the global batch: each rank takes ``batch_size / world_size`` samples, so 
 trains on the same number of samples per step in either mode. Losses and metrics are
 averaged over ranks (all_reduce), so what rank 0 prints is the global value; only rank
 0 shows progress and writes checkpoints, in the format pipeline mode writes.
+
+[Note: a parameter without a gradient in DDP mode]
+DDP's reduction by default expects every parameter to get a gradient in every step; one the loss does
+not reach (a part of the model read through ``detach`` or ``torch.no_grad()``, a head left unused)
+failed the second step with DDP's "Expected to have finished reduction in the prior iteration" and
+its advice to pass ``find_unused_parameters=True``, which rpcmp's user cannot. So the first step of a
+run runs without DDP's reduction and looks: where a rank has a parameter without a gradient, every
+rank wraps the model again with ``find_unused_parameters=True`` (DDP then walks the graph each step);
+the first step's gradients are averaged here as DDP would have: the mean over ranks, a rank without
+one adding zeros, and none where no rank has one (an optimizer leaves it alone, as the single model).
 """
 from __future__ import annotations
 
@@ -96,7 +106,8 @@ class DDPEngine:
                                "drop --sync-batchnorm on the CPU")
             module = nn.SyncBatchNorm.convert_sync_batchnorm(module)
         self.module = module
-        self.model = DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.model = self._wrap(find_unused=False)
+        self.checked = False  # whether the first step looked for parameters without a gradient
         cls, kwargs = job.optimizer
         self.optimizer = cls(self.model.parameters(), **kwargs)
         self.scheduler = job.scheduler[0](self.optimizer, **job.scheduler[1]) if job.scheduler else None
@@ -124,12 +135,14 @@ class DDPEngine:
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(group):
             last = i == len(group) - 1
-            sync = contextlib.nullcontext() if last else self.model.no_sync()
+            sync = contextlib.nullcontext() if last and self.checked else self.model.no_sync()
             with sync, self._autocast():
                 out = self.model(to_device(x, self.device))
                 loss = self.job.loss(out, to_device(y, self.device)) / len(group)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
+        if not self.checked:
+            self._first_reduce()
         dist.all_reduce(total)
         total /= self.world
         if not self.nonfinite.allows(total):  # every rank sees the same reduced loss: all skip, or all stop
@@ -147,6 +160,34 @@ class DDPEngine:
         if self.scheduler is not None:
             self.scheduler.step()
         return total.item(), self.job.batch_size * len(group)
+
+    def _wrap(self, find_unused: bool) -> DistributedDataParallel:
+        return DistributedDataParallel(self.module, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                       find_unused_parameters=find_unused)
+
+    def _first_reduce(self) -> None:
+        """Average the first step's gradients as DDP would; wrap the model again where a parameter got none
+        (see [Note: a parameter without a gradient in DDP mode])."""
+        self.checked = True
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        used = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=self.device)
+        dist.all_reduce(used)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for dtype in {p.dtype for p in params}:
+            grads = [p.grad for p in params if p.dtype == dtype]
+            flat = torch._utils._flatten_dense_tensors(grads).div_(self.world)  # as DDP's hook: divide, then sum
+            dist.all_reduce(flat)
+            for g, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(mean)
+        for p, ranks in zip(params, used.tolist()):
+            if not ranks:
+                p.grad = None
+        if min(used.tolist(), default=self.world) < self.world:
+            self.model = self._wrap(find_unused=True)  # which also takes rank 0's buffers, as a forward would
+        else:  # a forward under no_sync leaves the buffers to the forward after the next synced one: take them now
+            self.model.require_forward_param_sync = True
 
     def _autocast(self):
         if self.job.precision in ("bf16", "fp16"):

@@ -19,14 +19,14 @@ def _fit(job, world_size):
     return fit(job, world_size)
 
 
-def _reference(steps, per_rank, accumulate, world=2):
+def _reference(steps, per_rank, accumulate, world=2, name="mlp", optimizer=SGD):
     """One process, batch world x per_rank x accumulate, the samples DDP's ranks read."""
-    job = load("mlp")
+    job = load(name)
     train, heldout = job.data()
     per_rank_batches = [list(BatchSampler(_sampler(train, world, r), per_rank, drop_last=True)) for r in range(world)]
     torch.manual_seed(job.seed)
     model = job.model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = optimizer[0](model.parameters(), **optimizer[1])
     losses = []
     for s in range(steps):
         idx = [i for r in range(world) for b in per_rank_batches[r][s * accumulate:(s + 1) * accumulate] for i in b]
@@ -58,6 +58,20 @@ def test_ddp_two_ranks_equals_one_process_with_twice_the_batch(tmp_path, accumul
     # what rank 0 reports is the global value: the loss and metric over every rank's samples
     assert_close_f32(result["losses"], ref_losses)
     assert_close_f32(result["metric_after"], float(ref_metric))
+
+
+@pytest.mark.timeout(240)
+def test_ddp_trains_a_model_whose_loss_leaves_parameters_without_a_gradient_as_one_process(tmp_path):
+    """DDP failed the second step ("Expected to have finished reduction in the prior iteration", advice to pass
+    find_unused_parameters=True, which rpcmp builds). Weight decay tells a missing gradient from a zero one: the
+    layers before the detached stage must not move, as in one process."""
+    wd = (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1})
+    result = run_ranks("frozen", 2, _fit, {"mode": "ddp", "batch_size": 8, "max_steps": 3, "optimizer": wd,
+                                           "checkpoint_dir": str(tmp_path)})
+    ref_state, ref_losses, _ = _reference(3, 4, 1, name="frozen", optimizer=wd)
+    ckpt = load_checkpoint(str(tmp_path))
+    assert_close_f32(ckpt["model"], ref_state)
+    assert_close_f32(result["losses"], ref_losses)
 
 
 @pytest.mark.timeout(300)

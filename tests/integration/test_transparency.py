@@ -80,6 +80,7 @@ def test_two_stages_on_one_process_start_from_the_seeded_unsplit_model_every_tim
 # NAdam has no functional twin in torch: its local optimizers are torch.optim ones, which torch's own
 # step leaves holding the last gradient of a parameter; SGD's are functional (see [Note: a parameter a
 # step did not reach] in rpcmp/master/move.py).
+ADAM = (torch.optim.Adam, {"lr": 0.01})
 SKIPPING_OPTIMIZERS = {"nadam": (torch.optim.NAdam, {"lr": 0.01}), "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})}
 
 
@@ -109,6 +110,28 @@ def test_a_parameter_a_step_does_not_reach_is_left_alone_as_by_the_unsplit_model
         torch.manual_seed(job.seed)
         assert_close_f32(got, train_reference(job.model(), SKIPPING_OPTIMIZERS[name], job.loss, _signed()),
                          msg=lambda text, m=m, name=name: f"{name}, {m} micro-batches: {text}")
+
+
+def _frozen(job, world_size):
+    pipe = rpcmp.Pipeline(dataclasses.replace(job, optimizer=ADAM), world_size, microbatches=4)
+    out = [pipe.train_step(x, y).item() for x, y in _batches(job)], pipe.state_dict()
+    pipe.close()
+    return out
+
+
+def _batches(job):
+    train = job.data()[0]
+    return [train[i * 8:(i + 1) * 8] for i in range(4)]
+
+
+@pytest.mark.timeout(300)
+def test_a_stage_that_takes_no_gradient_of_its_input_trains_as_the_unsplit_model_across_processes():
+    """tests/jobs/frozen.py's middle stage reads its input detached: the step waited forever for a gradient of
+    it (distributed autograd); the first stage now gets none, as in the unsplit model."""
+    got = run_ranks("frozen", 4, _frozen, timeout=240)
+    job = load("frozen")
+    torch.manual_seed(job.seed)
+    assert_close_f32(got, train_reference(job.model(), ADAM, job.loss, _batches(job)))
 
 
 def _timed_split(job, world_size):

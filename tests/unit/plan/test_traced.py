@@ -361,23 +361,12 @@ def test_an_autocast_block_is_refused_saying_why_and_what_to_do(point):
         trace_split(_Autocast().to("meta"), rpcmp.SplitAt(point), torch.randn(4, 8, device="meta"))
 
 
-class _Ema(nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(n))
-
-    def forward(self, x):
-        if self.training:
-            with torch.no_grad():
-                self.mean.mul_(0.9).add_(0.1 * x.mean((0, 1)))
-        return x - self.mean
-
-
 def _gpt2_with_an_ema():
     import transformers
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=4,
                                                                  n_head=4, use_cache=False))
-    model.transformer.ln_f = nn.Sequential(model.transformer.ln_f, _Ema(32))
+    running_mean = type(load("ema").model()[1])  # tests/jobs/ema.py
+    model.transformer.ln_f = nn.Sequential(model.transformer.ln_f, running_mean(32))
     return model
 
 
