@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from ..errors import MicroBatchError, StageOutputError
 
 __all__ = ["scatter", "gather", "batch_size", "check_tensors", "to_device", "has_tensors", "tensors", "map_tensors",
-           "compact"]
+           "compact", "received", "unreached"]
 
 
 def batch_size(batch: Any) -> int:
@@ -110,3 +110,29 @@ def compact(batch: Any) -> Any:
     ([20, 20], True)
     """
     return map_tensors(batch, lambda t: t.clone() if t.untyped_storage().nbytes() > t.nbytes else t)
+
+
+def received(x: Any, kind: str = "") -> list:
+    """The distinct autograd nodes the tensors of ``x`` that need a gradient come from, of ``kind`` where given
+    (``RecvRpcBackward``: one per message received)."""
+    nodes = []
+    for t in tensors(x):
+        fn = t.grad_fn
+        if t.requires_grad and fn is not None and kind in fn.name() and fn not in nodes:
+            nodes.append(fn)
+    return nodes
+
+
+def unreached(y: Any, nodes: list) -> list:
+    """The ones of ``nodes`` that the backward of ``y``'s tensors does not reach (a walk of the graph)."""
+    left = list(nodes)
+    seen, todo = set(), [t.grad_fn for t in tensors(y) if t.grad_fn is not None]
+    while todo and left:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if fn in left:
+            left.remove(fn)
+        todo.extend(next_fn for next_fn, _ in fn.next_functions)
+    return left

@@ -6,14 +6,18 @@ received over RPC with ``requires_grad`` in the context has had its gradient sen
 training forward reads its input only through ``detach``, a ``torch.no_grad()`` block or an op without
 a gradient (``argmax``, a comparison) leaves that message unreached, and the step waited for it
 forever: the unsplit model just trains the stages before with no gradient. So the stage's first
-training forward looks for each received message in its output's graph (:func:`unreached`); from
+training forward looks for each received message in its output's graph (:func:`rpcmp.core.microbatch.unreached`); from
 then on, where one is missing, the stage's output takes the received tensors along as inputs of an
 identity (:class:`Reach`) that gives them no gradient, and the backward runs through their
 ``RecvRpcBackward``, which sends zeros. The stage that sent it is told to send its output detached
-from then on (:func:`send_detached`): its parameters get no gradient, as in the
-unsplit model; only what it sent before it learnt that (the first step) brought zeros back to it,
-which leaves plain SGD and Adam where no gradient would (their update of zeros is zero) but counts
-as a step for their state and weight decay.
+from then on (:func:`send_detached`): its parameters get no gradient, as in the unsplit model.
+Where the plan runs the model on the meta device (a ``Split`` or names plan: rpcmp.plan.writes), it
+finds such a stage beforehand, and the stage before sends detached from the first step
+(``StageSpec.detached``). Otherwise what it sent before it learnt that (the first step) brought zeros
+back to it, which leaves plain SGD and Adam where no gradient would (their update of zeros is zero)
+but counts as a step for their state and weight decay; and a stage that outputs no floating tensor
+(``argmax`` codes) has nothing to carry its inputs: where the stage before runs in the master's
+process, that first step still waits (a ``SplitAt`` cut there; the plan kinds above find it).
 """
 from __future__ import annotations
 
@@ -22,22 +26,24 @@ from typing import Any
 import torch
 import torch.distributed.rpc as rpc
 
-from ..core.microbatch import map_tensors, tensors
+from ..core.microbatch import map_tensors, received, tensors, unreached
 from ..core.served import current
 
-__all__ = ["reach", "send_detached", "received", "unreached", "Reach", "tie"]
+__all__ = ["reach", "send_detached", "Reach", "tie"]
+
+_RECV = "RecvRpcBackward"
 
 
 def reach(host, x: Any, y: Any) -> Any:
     """Stage ``host``'s training output ``y`` of input ``x``, made to reach every received input in the backward
     where the forward does not; the stage before is told to stop sending one."""
     if host.cut is None:  # the stage's first training forward
-        nodes = received(x)
+        nodes = received(x, _RECV)
         host.cut = bool(nodes) and bool(unreached(y, nodes))
     if not host.cut:
         return y
     index = host.spec.index
-    if index and len(host.owners) >= index and received(x[0] if host.mail_in else x):
+    if index and len(host.owners) >= index and received(x[0] if host.mail_in else x, _RECV):
         rpc.rpc_async(current().worker(host.owners[index - 1]), send_detached, args=(host.pid, index - 1))
     return tie(y, x)
 
@@ -47,31 +53,6 @@ def send_detached(pid: int, index: int) -> None:
     host = current().hosts.get((pid, index))
     if host is not None:
         host.send_detached = True
-
-
-def received(x: Any) -> list:
-    """The distinct ``RecvRpcBackward`` nodes of the tensors of ``x`` (one per message received)."""
-    nodes = []
-    for t in tensors(x):
-        fn = t.grad_fn
-        if t.requires_grad and fn is not None and "RecvRpcBackward" in fn.name() and fn not in nodes:
-            nodes.append(fn)
-    return nodes
-
-
-def unreached(y: Any, nodes: list) -> list:
-    """The ones of ``nodes`` that the backward of ``y``'s tensors does not reach (a walk of the graph)."""
-    left = list(nodes)
-    seen, todo = set(), [t.grad_fn for t in tensors(y) if t.grad_fn is not None]
-    while todo and left:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if fn in left:
-            left.remove(fn)
-        todo.extend(next_fn for next_fn, _ in fn.next_functions)
-    return left
 
 
 class Reach(torch.autograd.Function):
@@ -89,8 +70,7 @@ class Reach(torch.autograd.Function):
 
 def tie(y: Any, x: Any) -> Any:
     """``y`` with its first floating tensor made to carry the received tensors of ``x`` into the backward."""
-    inputs = [t for t in tensors(x) if t.requires_grad and t.grad_fn is not None
-              and "RecvRpcBackward" in t.grad_fn.name()]
+    inputs = [t for t in tensors(x) if t.requires_grad and t.grad_fn is not None and _RECV in t.grad_fn.name()]
     first = next((t for t in tensors(y) if t.is_floating_point()), None)
     if not inputs or first is None:
         return y

@@ -240,7 +240,8 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
                                                 recompute=bool(options["recompute"]), owners=list(options["owners"]),
                                                 deliver=options["deliver"],
                                                 mail_in=tuple(route.mail_in) if route else (),
-                                                posts=bool(route.posts) if route else False)
+                                                posts=bool(route.posts) if route else False,
+                                                send_detached=spec.detached)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
 
 

@@ -95,6 +95,7 @@ class StageSpec:
     sizes: tuple = ()  # "traced": per input tensor, each dimension's size where the graph fixes it, else None
     cut: tuple[str, ...] = ()  # "traced": the SplitAt points the graph was cut at (a re-cut moves them)
     one_graph: bool = False  # "traced": the model traces alike in train and eval mode: an owner traces it once
+    detached: bool = False  # the next stage takes no gradient of this one's output (see rpcmp.owner.reach)
 
 
 def declaration_kind(stages: Any) -> str:
@@ -119,8 +120,11 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     which buffers the model's forward writes (:func:`rpcmp.plan.writes.written_buffers`)."""
     specs = _plan(job, sample)
     if sample is not None and specs[0].kind != "modules":  # stages given as modules: there is no whole model to run
-        writes = tuple(dict.fromkeys(specs[0].writes + written_buffers(job, sample)))  # a SplitAt's graphs say some
-        specs = [replace(s, writes=writes) for s in specs]
+        ends = tuple(s.names[-1] if s.kind == "names" else str(s.stop - 1) for s in specs) if specs[0].kind in (
+            "names", "slice") else ()
+        found, detached = written_buffers(job, sample, ends)
+        writes = tuple(dict.fromkeys(specs[0].writes + found))  # a SplitAt's graphs say some
+        specs = [replace(s, writes=writes, detached=s.index in detached) for s in specs]
     if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
         warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
                       "stages uncompiled, with its names (no '_orig_mod.' prefix)", stacklevel=2)

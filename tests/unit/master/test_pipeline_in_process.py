@@ -395,10 +395,10 @@ def test_a_buffer_the_forward_writes_is_written_once_a_batch_as_by_the_unsplit_m
     pipe.close()
 
 
-def _trained_as_the_unsplit_model(job, model, declared):
-    """A pipeline of ``model`` cut as ``declared``, trained 3 steps with Adam on 4 micro-batches and checked
-    against the unsplit model; open, to look into."""
-    job = dataclasses.replace(job, model=model, stages=declared, optimizer=(torch.optim.Adam, {"lr": 0.01}))
+def _trained_as_the_unsplit_model(job, model, declared, optimizer=(torch.optim.Adam, {"lr": 0.01})):
+    """A pipeline of ``model`` cut as ``declared``, trained 3 steps on 4 micro-batches and checked against the
+    unsplit model; open, to look into."""
+    job = dataclasses.replace(job, model=model, stages=declared, optimizer=optimizer)
     serve(job)
     data = batches(3)
     torch.manual_seed(job.seed)
@@ -410,9 +410,14 @@ def _trained_as_the_unsplit_model(job, model, declared):
     return pipe
 
 
-class _Detached(torch.nn.Module):  # reads its input through no gradient: a frozen feature, a hard decision
+class _Detached(torch.nn.Module):  # reads its input through no gradient: a frozen feature
     def forward(self, x):
         return x.detach().tanh()
+
+
+class _Codes(torch.nn.Module):  # a hard decision: no floating output to carry a gradient back
+    def forward(self, x):
+        return x.argmax(-1)
 
 
 class _Frozen(torch.nn.Module):
@@ -424,15 +429,23 @@ class _Frozen(torch.nn.Module):
         return self.out(self.mid(self.inp(x)))
 
 
-@pytest.mark.parametrize("stages", ["split", "names", "traced"])
+@pytest.mark.parametrize("stages", ["split", "names", "traced", "codes"])
 def test_a_stage_that_takes_no_gradient_of_its_input_trains_as_the_unsplit_model(job, stages):
     """A stage whose forward reads its input only detached left the message that brought it without a gradient,
     and distributed autograd waited for one forever: the step hung. The stages before now get no gradient, as in
-    the unsplit model (see [Note: an input the backward never reaches] in rpcmp/owner/reach.py)."""
+    the unsplit model (see [Note: an input the backward never reaches] in rpcmp/owner/reach.py): a Split or names
+    plan finds the stage on the meta device (weight decay tells no gradient from a zero one), a traced one at the
+    stage's first forward (Adam's first update of zeros is zero)."""
+    codes = lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), _Codes(), torch.nn.Embedding(32, 32),  # noqa: E731
+                                        torch.nn.Linear(32, 8))
     model, declared = {"split": (lambda: torch.nn.Sequential(*_Frozen().children()), rpcmp.Split([1, 2])),
-                       "names": (_Frozen, ["inp", ("mid", "out")]), "traced": (_Frozen, rpcmp.SplitAt("mid"))}[stages]
-    pipe = _trained_as_the_unsplit_model(job, model, declared)
-    assert current().host(pipe.pid, 1).cut and current().host(pipe.pid, 0).send_detached  # none crosses once known
+                       "names": (_Frozen, ["inp", ("mid", "out")]), "traced": (_Frozen, rpcmp.SplitAt("mid")),
+                       "codes": (codes, rpcmp.Split([1, 1, 2]))}[stages]
+    optimizer = (torch.optim.Adam, {"lr": 0.01}) if stages == "traced" else (torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1})
+    job = dataclasses.replace(job, placement=["master/cpu"] * (3 if stages == "codes" else 2))
+    pipe = _trained_as_the_unsplit_model(job, model, declared, optimizer)
+    assert current().host(pipe.pid, 0).send_detached  # no gradient crosses once the stage is known
+    assert bool(current().host(pipe.pid, 1).cut) == (stages == "traced")  # found at the first forward, or before
     pipe.close()
 
 

@@ -377,5 +377,5 @@ def test_a_traced_plan_finds_a_buffer_write_where_the_forward_cannot_run_on_the_
     from rpcmp.plan.writes import written_buffers
     job = rpcmp.Job(model=_gpt2_with_an_ema, stages=rpcmp.SplitAt("transformer.h.2"))
     x = torch.randint(0, 64, (4, 12))
-    assert written_buffers(job, x) == ()
+    assert written_buffers(job, x) == ((), ())
     assert all(s.writes == ("transformer.ln_f.1.mean",) for s in plan_stages(job, x))
