@@ -120,7 +120,7 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     which buffers the model's forward writes (:func:`rpcmp.plan.writes.written_buffers`)."""
     specs = _plan(job, sample)
     if sample is not None and specs[0].kind != "modules":  # stages given as modules: there is no whole model to run
-        ends = tuple(s.names[-1] if s.kind == "names" else str(s.stop - 1) for s in specs) if specs[0].kind in (
+        ends = tuple(s.names[-1] if s.kind == "names" else s.stop - 1 for s in specs) if specs[0].kind in (
             "names", "slice") else ()
         found, detached = written_buffers(job, sample, ends)
         writes = tuple(dict.fromkeys(specs[0].writes + found))  # a SplitAt's graphs say some

@@ -34,20 +34,23 @@ def _known(m: nn.Module) -> bool:
             or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()))
 
 
-def written_buffers(job, sample: Any, ends: tuple[str, ...] = ()) -> tuple[tuple[str, ...], tuple[int, ...]]:
+def written_buffers(job, sample: Any, ends: tuple = ()) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The buffers that ``job.model()``'s training forward writes on every call, in place or by putting another tensor
     in their place, other than those of a module :func:`has_batch_state` knows by its kind; by the unsplit model's
     names. Found by running a model built on the meta device (no memory, no arithmetic) twice on ``sample``: a write
     in the second call counts, so a cache a forward builds on its first call and then only reads does not. And, for
-    stages ending at the submodules ``ends``, the stages whose output the next stage's output takes no gradient from
-    (see [Note: an input the backward never reaches] in rpcmp/owner/reach.py). ((), ()) for a forward that cannot
-    run on the meta device (one that reads values, ``if mask.all():``): neither is known."""
+    stages ending at the submodules ``ends`` (names, or positions among the model's children), the stages whose
+    output the next stage's output takes no gradient from (see [Note: an input the backward never reaches] in
+    rpcmp/owner/reach.py). ((), ()) for a forward that cannot run on the meta device (one that reads values,
+    ``if mask.all():``): neither is known."""
     model = meta_model(job).train()
     x = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
     outs: dict[int, list] = {i: [] for i in range(len(ends))}  # a stage's output: its last module's, called once
-    hooks = [model.get_submodule(name).register_forward_hook(lambda m, args, out, i=i: outs[i].append(out))
-             for i, name in enumerate(ends)]
+    hooks = []
     try:
+        children = list(model.children())
+        hooks = [(children[end] if isinstance(end, int) else model.get_submodule(end)).register_forward_hook(
+            lambda m, args, out, i=i: outs[i].append(out)) for i, end in enumerate(ends)]
         with torch.random.fork_rng(devices=[]):  # the process's generators come out as they went in
             model(x)
             before = stamps(model)

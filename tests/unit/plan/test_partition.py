@@ -118,3 +118,20 @@ def test_a_warmed_process_builds_empty_stages_without_constructing_the_model_aga
     assert {p.device.type for p in [*first.parameters(), *second.parameters()]} == {"cpu"}
     assert first[0].weight is not second[0].weight  # each build its own copy: the kept model stays on meta
     assert {p.device.type for p in partition._meta(job).parameters()} == {"meta"}
+
+
+class _Detached(nn.Module):
+    def forward(self, x):
+        return x.detach().tanh()
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_plan_finds_the_stage_whose_output_the_next_stage_takes_no_gradient_of(named):
+    """Run on the meta device with the first batch, a Split plan marks the stage before one that reads its input
+    detached (it then sends detached: see rpcmp/owner/reach.py), by position also where the children have names."""
+    from collections import OrderedDict
+    layers = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), _Detached(), nn.Linear(32, 8)]
+    model = (lambda: nn.Sequential(OrderedDict(zip("abcde", layers)))) if named else (lambda: nn.Sequential(*layers))
+    specs = plan_stages(rpcmp.Job(model=model, stages=Split([2, 2, 1])), torch.randn(4, 16))
+    assert [s.detached for s in specs] == [True, False, False]  # stage 1 reads stage 0's output detached
+    assert [s.detached for s in plan_stages(rpcmp.Job(model=model, stages=Split([2, 2, 1])))] == [False] * 3  # no batch
