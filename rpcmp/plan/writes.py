@@ -17,7 +17,8 @@ from ..core.microbatch import received, unreached
 from .graphs import graphs
 from .materialize import meta_model
 
-__all__ = ["has_batch_state", "written_buffers", "traced_writes", "whole_batch_note", "stamps", "unknown_writes"]
+__all__ = ["has_batch_state", "written_buffers", "traced_writes", "whole_batch_note", "detached_note", "stamps",
+           "unknown_writes"]
 
 
 def has_batch_state(module: nn.Module, spec=None) -> bool:
@@ -114,3 +115,11 @@ def whole_batch_note(writes: tuple[str, ...], microbatches: int) -> str:
     return (f"the model's training forward updates state ({what}): each batch runs as 1 micro-batch so that it is "
             f"updated once a batch, as by the unsplit model (Job.batchnorm='batch'); batchnorm='micro' pipelines "
             f"{microbatches} micro-batches, updating it once each")
+
+
+def detached_note(spec) -> str:
+    """The run banner's line for a stage whose output the next stage takes no gradient of (``spec.detached``)."""
+    k = spec.index
+    before = f"stages 0-{k} get none and keep their" if k else "stage 0 gets none and keeps its"
+    return (f"stage {k + 1} takes no gradient of stage {k}'s output (its forward reads it through detach, no_grad or an "
+            f"op without one): {before} first values, as in the unsplit model")

@@ -20,7 +20,7 @@ from ..master.livecopy import LiveCopies
 from ..master.recovery import RolledBack, Snapshots
 from ..owner import move as owner_move
 from ..plan.placement import process_name
-from ..plan.writes import whole_batch_note
+from ..plan.writes import detached_note, whole_batch_note
 from ..master.move import warm
 from ..master.recut import Rebalancer
 from ..master.replicas import pipeline_for
@@ -345,7 +345,7 @@ class PipelineEngine:
                      f"the live copy in another replica (no step lost)")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
             text += "\n" + whole_batch_note(pipe.specs[0].writes, pipe.microbatches)
-        return text
+        return text + "".join("\n" + detached_note(s) for s in pipe.specs if s.detached)
 
     def explain(self, exc: BaseException) -> BaseException:
         return self.pipe.explain(exc)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, batches, load, run_ranks, train_reference
+from helpers import Command, assert_close_f32, batches, job_path, load, run_ranks, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -132,6 +132,19 @@ def test_a_stage_that_takes_no_gradient_of_its_input_trains_as_the_unsplit_model
     job = load("frozen")
     torch.manual_seed(job.seed)
     assert_close_f32(got, train_reference(job.model(), ADAM, job.loss, _batches(job)))
+
+
+@pytest.mark.timeout(180)
+def test_the_run_says_which_stages_get_no_gradient():
+    """Often a mistake in the model (a stray detach): the banner says it before the first step."""
+    proc = Command("run", job_path("frozen"), "--local", "4", "--max-steps", "2", merged=True)
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert ("stage 1 takes no gradient of stage 0's output (its forward reads it through detach, no_grad or an op "
+            "without one): stage 0 gets none and keeps its first values, as in the unsplit model") in " ".join(out.split())
 
 
 def _timed_split(job, world_size):
