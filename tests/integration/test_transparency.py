@@ -126,8 +126,9 @@ def _batches(job):
 
 @pytest.mark.timeout(300)
 def test_a_stage_that_takes_no_gradient_of_its_input_trains_as_the_unsplit_model_across_processes():
-    """tests/jobs/frozen.py's middle stage reads its input detached: the step waited forever for a gradient of
-    it (distributed autograd); the first stage now gets none, as in the unsplit model."""
+    """tests/jobs/frozen.py's middle stage reads its input detached: over processes the step failed (the first
+    stage's merge found no gradient of a micro-batch); the first stage now gets none, as in the unsplit model. No
+    batch reaches the plan here: the stage is found at its first forward (Adam's update of those zeros is zero)."""
     got = run_ranks("frozen", 4, _frozen, timeout=240)
     job = load("frozen")
     torch.manual_seed(job.seed)
