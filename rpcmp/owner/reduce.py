@@ -133,14 +133,16 @@ class StepMerge:
         """Micro-batch ``seq``'s forward (with grad) on this stage: note its context, and hook its
         output so that the end of this process's part of its backward is known."""
         i = seq - self.first
-        if 0 <= i < self.count and not any(t.requires_grad for t in tensors(output)):
+        if not 0 <= i < self.count:
+            return
+        needing = [t for t in tensors(output) if t.requires_grad]
+        if not needing:
             self.empty.add(i)  # sent on without a gradient (rpcmp.owner.reach): its backward never comes here
-        if not self.hook or not 0 <= i < self.count:
+        if not self.hook:
             return
         self.contexts[i] = dist_autograd._current_context()._context_id()
-        for t in tensors(output):
-            if t.requires_grad:
-                t.register_hook(partial(self._arrived, i))
+        for t in needing:
+            t.register_hook(partial(self._arrived, i))
 
     def _arrived(self, i: int, grad: torch.Tensor) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(partial(self.left, i, None, True))
@@ -173,10 +175,8 @@ class StepMerge:
     def _grads(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
         if i in self.held:
             return self.held[i]
-        if i in self.empty:
-            if not i and self._base is None:
-                self._base = {}
-            return self._base if not i else {}
+        if i and i in self.empty:
+            return {}
         if i:
             try:
                 return param_grads(self._mine, self.contexts[i])
@@ -187,7 +187,7 @@ class StepMerge:
                                  f"reached this stage, and its context is gone: its gradients here cannot be merged. "
                                  f"Job(microbatches=1) runs such a model without merges") from None
         if self._base is None:  # merges add into these tensors: no parameter joins them later
-            self._base = param_grads(self._mine, self.contexts[0])
+            self._base = {} if 0 in self.empty else param_grads(self._mine, self.contexts[0])
         return self._base
 
     def _merge(self, i: int) -> None:
