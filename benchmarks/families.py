@@ -8,7 +8,8 @@ For each family: a 4-block model from a tiny config, its batches a dict of ``inp
 and 3 on 4 processes (the master and three owners), ``schedule="gpipe"`` (the loss, a mean over the tokens
 padding leaves in, is not a mean over samples); one AdamW step, a re-cut before block 2 instead of 1, two
 more steps (an encoder-decoder, its decoder reading the same tokens: cut before block 1 of the encoder and
-of the decoder, re-cut before their blocks 2), then eval-mode predictions. Losses, every parameter and the
+of the decoder, re-cut before their blocks 2; ALBERT, whose one layer forward calls at every depth: cut before
+the encoder and the head, re-cut before the head's last layer), then eval-mode predictions. Losses, every parameter and the
 predictions are compared with the unsplit model trained on the same batches in this process, at float32
 tolerance. Dropout is off: a layer draws its masks from its own process's generator. This file is also the
 job each launch loads (``FAMILY`` in the environment says which).
@@ -29,7 +30,8 @@ import rpcmp
 V = 64
 _KW = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
            num_key_value_heads=2, max_position_embeddings=64, use_cache=False)
-FAMILIES = {  # name: (config, model, config arguments, the blocks' container, or the encoder's and the decoder's)
+FAMILIES = {  # name: (config, model, config arguments, the blocks' container, or the encoder's and the decoder's,
+              # or [the cuts, the re-cut's])
     "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(vocab_size=V, n_positions=64, n_embd=32, n_layer=4, n_head=4,
              resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False), "transformer.h"),
     "llama": (T.LlamaConfig, T.LlamaForCausalLM, _KW, "model.layers"),
@@ -76,6 +78,11 @@ FAMILIES = {  # name: (config, model, config arguments, the blocks' container, o
     "bert": (T.BertConfig, T.BertForMaskedLM, dict(vocab_size=V, hidden_size=32, num_hidden_layers=4,
              num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
              attention_probs_dropout_prob=0.0), "bert.encoder.layer"),
+    # one layer called at every depth, its head tied to the embedding: the cuts and the re-cut's, named
+    "albert": (T.AlbertConfig, T.AlbertForMaskedLM, dict(vocab_size=V, embedding_size=16, hidden_size=32,
+               num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0),
+               [("m.albert.encoder", "m.predictions"), ("m.albert.encoder", "m.predictions.decoder")]),
 }
 FAMILY = os.environ.get("FAMILY", "gpt2")
 
@@ -109,7 +116,9 @@ def loss(out, y):
 
 
 _BLOCKS = FAMILIES[FAMILY][3]
-if isinstance(_BLOCKS, tuple):  # an encoder-decoder: cut before the encoder's block 1 and the decoder's, re-cut at 2
+if isinstance(_BLOCKS, list):
+    _CUT, _RECUT = _BLOCKS
+elif isinstance(_BLOCKS, tuple):  # an encoder-decoder: cut before the encoder's block 1 and the decoder's, re-cut at 2
     _CUT, _RECUT = [f"m.{_BLOCKS[0]}.1", f"m.{_BLOCKS[1]}.1"], [f"m.{_BLOCKS[0]}.2", f"m.{_BLOCKS[1]}.2"]
 else:
     _CUT, _RECUT = [f"m.{_BLOCKS}.1", f"m.{_BLOCKS}.3"], [f"m.{_BLOCKS}.2", f"m.{_BLOCKS}.3"]

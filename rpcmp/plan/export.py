@@ -1,7 +1,8 @@
 """Tracing a model into ``torch.distributed.pipelining``'s ``Pipe`` for a :class:`rpcmp.plan.traced.SplitAt`:
 the export with a dynamic batch (see [Note: any batch size] in :mod:`rpcmp.plan.traced`), the model's output
 spec kept (see [Note: the model's output, as the model returns it] there), and the checks that only the
-export can answer: the batch is the model's one argument, each point is called once and named in order."""
+export can answer: the batch is the model's one argument, each point is called once and named in order. A
+module forward calls more than once is one module in each stage (:mod:`rpcmp.plan.repeats`)."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +21,7 @@ from torch import nn
 from ..errors import PartitionError
 from .graphs import graphs, place_graph
 from .materialize import meta_model
+from .repeats import outlined_once
 from .strange import cached_modules
 from .traced import SplitAt, from_example
 
@@ -242,7 +244,8 @@ def _exporting(pipe_cls, dynamic: bool):
     """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
     input dynamic instead (see [Note: any batch size]), and keep the structure of the model's output,
     which pipelining's split graph flattens, and the split points in the order forward reaches them
-    (yielded: per export, its output spec and those points)."""
+    (yielded: per export, its output spec and those points); outline a module forward calls more than once
+    as one module in each stage."""
     plain, out_specs, reached = pipe_cls.__dict__["_trace_with_export"], [], []
 
     def trace(mod, example_args, example_kwargs=None):
@@ -257,7 +260,8 @@ def _exporting(pipe_cls, dynamic: bool):
         return exported
     pipe_cls._trace_with_export = staticmethod(trace)
     try:
-        with warnings.catch_warnings():  # pipelining deep-copies a tied parameter: here a fake one, with no data
+        # outlined_once: see [Note: a module forward calls more than once]
+        with warnings.catch_warnings(), outlined_once():  # pipelining deep-copies a tied parameter: here a fake one
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             yield out_specs, reached
     finally:

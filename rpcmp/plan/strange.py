@@ -6,6 +6,7 @@ from torch import nn
 
 from .graphs import graphs
 from .materialize import attribute, tensor_table
+from .repeats import repeated_call
 from ..errors import PartitionError
 
 __all__ = ["refuse_strange", "cached_modules"]
@@ -18,6 +19,13 @@ def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
     strange = sorted(set().union(*held) - set(tensor_table(model)))
     if not strange:
         return
+    repeated = sorted({repeated_call(n) for n in strange} - {None})
+    if repeated:  # see [Note: a module forward calls more than once]
+        raise PartitionError(
+            f"SplitAt: {type(model).__name__}.forward calls {repeated[:3]} more than once, and the calls trace to "
+            f"different graphs (other shapes, arguments or branches), so a stage would hold a copy of its tensors per "
+            f"call under names the model does not have ({strange[0]}). Cut so that the calls that differ fall in "
+            f"different stages, or declare the stages as modules")
     lifted = [(i, n) for i in range(pipe.num_stages) for n in sorted(held[i]) if n in strange
               and n.rpartition(".")[2].startswith("lifted_tensor") and attribute(pipe.get_stage_module(i), n).is_meta]
     if lifted and not cached_modules(model):  # a key-value cache is such a tensor too: the setting to change says more

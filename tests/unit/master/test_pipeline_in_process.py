@@ -2,6 +2,7 @@
 one-process RPC world (real RPC, real distributed autograd, no other process). What needs
 several processes (transport, faults, launch) is in tests/integration."""
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -447,6 +448,55 @@ def test_a_stage_that_takes_no_gradient_of_its_input_trains_as_the_unsplit_model
     assert current().host(pipe.pid, 0).send_detached  # no gradient crosses once the stage is known
     assert bool(current().host(pipe.pid, 1).cut) == (stages == "traced")  # found at the first forward, or before
     pipe.close()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x, doubled: bool = False):
+        y = self.lin(x).tanh()
+        return y * 2 if doubled else y
+
+
+class _Looped(torch.nn.Module):
+    """One block called at every depth (ALBERT's shared layer, a universal transformer), with a pipe_split()
+    between its second and third calls where ``across``; ``branches``: every other call takes another path."""
+
+    def __init__(self, across: bool = False, branches: bool = False):
+        super().__init__()
+        self.inp, self.block, self.out = torch.nn.Linear(16, 32), _Block(), torch.nn.Linear(32, 8)
+        self.across, self.branches = across, branches
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i in range(4):
+            x = self.block(x, doubled=self.branches and i % 2 == 1)
+            if self.across and i == 1:
+                from torch.distributed.pipelining import pipe_split
+                pipe_split()
+        return self.out(x)
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["within-a-stage", "across-a-cut"])
+def test_a_module_forward_calls_more_than_once_trains_as_the_unsplit_model(job, across):
+    """pipelining outlines every call of a module but the first as a copy named block@1, block@2, ...: the plan
+    refused the split (tensors the model has no name for). The calls are one module again (see [Note: a module
+    forward calls more than once] in rpcmp/plan/repeats.py); across a cut, one parameter shared by two stages."""
+    declared = rpcmp.SplitAt() if across else rpcmp.SplitAt("out")
+    pipe = _trained_as_the_unsplit_model(job, functools.partial(_Looped, across), declared,
+                                         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}))  # Adam magnifies rounding
+    assert sorted(pipe.state_dict()) == sorted(_Looped().state_dict())
+    assert len(pipe.specs) == 2
+    pipe.close()
+
+
+def test_calls_of_one_module_that_trace_to_different_graphs_are_refused_naming_it(job):
+    job = dataclasses.replace(job, model=functools.partial(_Looped, branches=True), stages=rpcmp.SplitAt("out"))
+    serve(job)
+    with pytest.raises(rpcmp.PartitionError, match=r"calls \['block'\] more than once.*different graphs"):
+        rpcmp.Pipeline(job, world_size=1, microbatches=4, sample=batches(1)[0][0])
 
 
 def test_a_buffer_write_the_plan_could_not_find_is_said_at_the_first_step(job, capfd):
