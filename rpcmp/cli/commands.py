@@ -216,7 +216,7 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
     if grid:
         Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid, nodes))
     Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch",
-                                                                specs[0].writes))
+                                                                specs[0]))
     if topology.spares:
         console.print(f"spares: {', '.join(topology.spares)} (hold no stage; each takes over the stage of a lost owner)")
     for line in _model_notes(specs):
@@ -269,7 +269,7 @@ def _grid_table(job, specs, grid, nodes) -> Table:
     return table
 
 
-def _schedule_table(job, stages: int, whole_batch: bool, writes: tuple[str, ...]) -> Table:
+def _schedule_table(job, stages: int, whole_batch: bool, spec) -> Table:
     """The schedule's plan for one optimizer step (``--schedule S -m M`` to see another)."""
     from ..plan.schedule import Loss, make_plan
     from ..plan.writes import whole_batch_note
@@ -282,7 +282,7 @@ def _schedule_table(job, stages: int, whole_batch: bool, writes: tuple[str, ...]
     loss = "on the gathered batch" if step.loss is Loss.GATHERED else "per micro-batch, weighted by its share"
     table.caption = (f"a distributed-autograd context per micro-batch; loss {loss}; "
                      f"at most {step.in_flight} micro-batches hold activations on a stage"
-                     + ("; " + whole_batch_note(writes, job.microbatches) if whole_batch else ""))
+                     + ("; " + whole_batch_note(spec.writes, job.microbatches, spec.mixes) if whole_batch else ""))
     return table
 
 

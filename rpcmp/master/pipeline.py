@@ -316,8 +316,10 @@ class Pipeline(PipelineState):
 
     @torch.no_grad()
     def predict(self, x: Any) -> Any:
-        """Forward without autograd on any stage (call :meth:`eval` first for inference)."""
-        return self.forward(x, grad=False, chunks=min(self.microbatches, batch_size(x)))
+        """Forward without autograd on any stage (call :meth:`eval` first for inference); whole, where the model's
+        samples meet (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
+        whole = self.specs[0].mixes and self.job.batchnorm == "batch"
+        return self.forward(x, grad=False, chunks=1 if whole else min(self.microbatches, batch_size(x)))
 
     # -- mode, tracing, lifetime (the state across owners: rpcmp.master.state) ----------
     def train(self, mode: bool = True) -> "Pipeline":

@@ -38,7 +38,7 @@ from .export import traces
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
-from .writes import has_batch_state, traced_writes, written_buffers
+from .writes import has_batch_state, meta_findings, traced_writes
 from ..errors import PartitionError
 
 __all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "replan", "build_stage", "build_empty", "warm_trace", "declaration_kind",
@@ -96,6 +96,7 @@ class StageSpec:
     cut: tuple[str, ...] = ()  # "traced": the SplitAt points the graph was cut at (a re-cut moves them)
     one_graph: bool = False  # "traced": the model traces alike in train and eval mode: an owner traces it once
     detached: bool = False  # the next stage takes no gradient of this one's output (see rpcmp.owner.reach)
+    mixes: tuple[str, ...] = ()  # the model's outputs whose samples meet (see rpcmp.plan.writes.batch_sized)
 
 
 def declaration_kind(stages: Any) -> str:
@@ -117,14 +118,15 @@ def declaration_kind(stages: Any) -> str:
 
 def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     """Resolve ``job.stages`` into :class:`StageSpec` records (master side); with a ``sample`` batch, each also says
-    which buffers the model's forward writes (:func:`rpcmp.plan.writes.written_buffers`)."""
+    what a run of the model on the meta device finds (:func:`rpcmp.plan.writes.meta_findings`)."""
     specs = _plan(job, sample)
     if sample is not None and specs[0].kind != "modules":  # stages given as modules: there is no whole model to run
         ends = tuple(s.names[-1] if s.kind == "names" else s.stop - 1 for s in specs) if specs[0].kind in (
             "names", "slice") else ()
-        found, detached = written_buffers(job, sample, ends)
-        writes = tuple(dict.fromkeys(specs[0].writes + found))  # a SplitAt's graphs say some
-        specs = [replace(s, writes=writes, detached=s.index in detached) for s in specs]
+        found = meta_findings(job, sample, ends)
+        writes = tuple(dict.fromkeys(specs[0].writes + found.writes))  # a SplitAt's graphs say some
+        mixes = specs[0].mixes or found.mixes  # a SplitAt's trace may have said
+        specs = [replace(s, writes=writes, detached=s.index in found.detached, mixes=mixes) for s in specs]
     if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
         warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
                       "stages uncompiled, with its names (no '_orig_mod.' prefix)", stacklevel=2)
@@ -319,7 +321,7 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     refuse_strange(model, pipe, held)  # the promise of SplitAt: the unsplit model's names
     unused = place_unused(model, held)
     tied = shared_params(model, [h | set(u) for h, u in zip(held, unused)])
-    check_any_batch_size(pipe, example)
+    mixes = check_any_batch_size(pipe, example)
     check_same_cut(pipe, evaluated)  # see [Note: a traced stage in eval mode]
     one = same_graphs(pipe, evaluated)
     check_any_batch_size(evaluated, example)
@@ -330,7 +332,7 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
                       example=example_of(example), has_bn=bn, writes=writes, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
-                      cut=tuple(job.stages.points), one_graph=one)
+                      cut=tuple(job.stages.points), one_graph=one, mixes=mixes)
             for i in range(pipe.num_stages)]
 
 
@@ -343,7 +345,8 @@ def replan(job, specs: list[StageSpec], cut: Any) -> list[StageSpec]:
                           from_example(specs[0].example, "meta"))
     else:
         new = plan_stages(replace(job, stages=Split([int(b) for b in cut])), None)
-    return [replace(s, writes=specs[0].writes) for s in new]  # what the forward writes is the model's, not the cut's
+    # what the forward writes and whether its samples meet are the model's, not the cut's
+    return [replace(s, writes=specs[0].writes, mixes=specs[0].mixes) for s in new]
 
 
 def _as_cut(job, spec: StageSpec):

@@ -255,27 +255,32 @@ def _sizes(pipe) -> set[str]:
     return sizes
 
 
-def check_any_batch_size(pipe, example: Any) -> None:
+def check_any_batch_size(pipe, example: Any) -> tuple[str, ...]:
     """Refuse a traced graph that holds the micro-batch size it was traced with (a reshape to a
     fixed size, as ``nn.MultiheadAttention`` does): the stages also run a whole batch (BatchNorm),
-    a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation."""
+    a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation. Returns the
+    model's outputs whose samples meet (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from ..core.microbatch import batch_size
+    from .writes import batch_sized, one_more
     n = batch_size(example)
-    bigger = pytree.tree_map(lambda t: torch.cat([t, t[:1]]) if t.dim() else t, example)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            run_stages([stage_module(pipe, i) for i in range(pipe.num_stages)], pytree.tree_map(mode.from_tensor, bigger))
-    except Exception as exc:  # noqa: BLE001 - any failure here is the same finding
-        raise PartitionError(
-            f"SplitAt: the traced graph fixes the batch size "
-            f"it was traced with ({n} samples per micro-batch): run on {n + 1} it fails with {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200]}. rpcmp's stages also run whole batches, a smaller last micro-batch and "
-            f"evaluation batches, so such a model cannot be cut on its traced graph yet: declare the stages as modules, "
-            f"or as an nn.Sequential cut with rpcmp.Split") from None
+            stages = [stage_module(pipe, i) for i in range(pipe.num_stages)]
+            out = run_stages(stages, pytree.tree_map(mode.from_tensor, example))
+            try:
+                bigger = run_stages(stages, pytree.tree_map(mode.from_tensor, one_more(example)))
+            except Exception as exc:  # noqa: BLE001 - any failure here is the same finding
+                raise PartitionError(
+                    f"SplitAt: the traced graph fixes the batch size "
+                    f"it was traced with ({n} samples per micro-batch): run on {n + 1} it fails with {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:200]}. rpcmp's stages also run whole batches, a smaller last micro-batch and "
+                    f"evaluation batches, so such a model cannot be cut on its traced graph yet: declare the stages as modules, "
+                    f"or as an nn.Sequential cut with rpcmp.Split") from None
     finally:
         for i in range(pipe.num_stages):  # undo the routing installed for the check
             pipe.get_stage_module(i).__dict__.pop("forward", None)
+    return batch_sized(out, bigger)
 
 
 def stage_module(pipe, index: int, module: nn.Module | None = None) -> nn.Module:

@@ -5,7 +5,7 @@ so a model that has it runs each training batch as one micro-batch under ``Job(b
 (see [Note: BatchNorm and micro-batches] in rpcmp/master/pipeline.py)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -17,15 +17,15 @@ from ..core.microbatch import received, unreached
 from .graphs import graphs
 from .materialize import meta_model
 
-__all__ = ["has_batch_state", "written_buffers", "traced_writes", "whole_batch_note", "detached_note", "stamps",
+__all__ = ["has_batch_state", "meta_findings", "Found", "one_more", "batch_sized", "traced_writes", "whole_batch_note", "detached_note", "stamps",
            "unknown_writes"]
 
 
 def has_batch_state(module: nn.Module, spec=None) -> bool:
     """Whether a stage (or model) updates state from each training batch in its forward: a module of a known kind
     (:func:`_known`), or, from the plan (``spec``), a traced model with BatchNorm (a traced graph holds no BatchNorm
-    modules) or a model whose forward writes buffers (:func:`written_buffers`)."""
-    return bool(spec is not None and (spec.has_bn or spec.writes)) or any(_known(m) for m in module.modules())
+    modules), a model whose forward writes buffers or one whose samples meet (:func:`meta_findings`)."""
+    return bool(spec is not None and (spec.has_bn or spec.writes or spec.mixes)) or any(_known(m) for m in module.modules())
 
 
 def _known(m: nn.Module) -> bool:
@@ -35,15 +35,23 @@ def _known(m: nn.Module) -> bool:
             or any(isinstance(h, SpectralNorm) for h in m._forward_pre_hooks.values()))
 
 
-def written_buffers(job, sample: Any, ends: tuple = ()) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """The buffers that ``job.model()``'s training forward writes on every call, in place or by putting another tensor
-    in their place, other than those of a module :func:`has_batch_state` knows by its kind; by the unsplit model's
-    names. Found by running a model built on the meta device (no memory, no arithmetic) twice on ``sample``: a write
-    in the second call counts, so a cache a forward builds on its first call and then only reads does not. And, for
-    stages ending at the submodules ``ends`` (names, or positions among the model's children), the stages whose
-    output the next stage's output takes no gradient from (see [Note: an input the backward never reaches] in
-    rpcmp/owner/reach.py). ((), ()) for a forward that cannot run on the meta device (one that reads values,
-    ``if mask.all():``): neither is known."""
+class Found(NamedTuple):
+    """What a run of the model on the meta device finds (:func:`meta_findings`)."""
+
+    writes: tuple[str, ...] = ()  # buffers the training forward writes, by the unsplit model's names
+    detached: tuple[int, ...] = ()  # stages whose output the next stage takes no gradient of
+    mixes: tuple[str, ...] = ()  # outputs whose samples meet each other (:func:`batch_sized`)
+
+
+def meta_findings(job, sample: Any, ends: tuple = ()) -> Found:
+    """Run ``job.model()`` built on the meta device (no memory, no arithmetic) on ``sample`` and find: the buffers its
+    training forward writes on every call, in place or by putting another tensor in their place, other than those of
+    a module :func:`has_batch_state` knows by its kind, by the unsplit model's names (a write in the second of two
+    calls counts, so a cache a forward builds on its first call and then only reads does not); for stages ending at
+    the submodules ``ends`` (names, or positions among the model's children), the stages whose output the next
+    stage's output takes no gradient from (see [Note: an input the backward never reaches] in rpcmp/owner/reach.py);
+    and the outputs whose samples meet (:func:`batch_sized`: a third call, one sample more). Nothing for a forward
+    that cannot run on the meta device (one that reads values, ``if mask.all():``): none is known."""
     model = meta_model(job).train()
     x = pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
     outs: dict[int, list] = {i: [] for i in range(len(ends))}  # a stage's output: its last module's, called once
@@ -55,16 +63,42 @@ def written_buffers(job, sample: Any, ends: tuple = ()) -> tuple[tuple[str, ...]
         with torch.random.fork_rng(devices=[]):  # the process's generators come out as they went in
             model(x)
             before = stamps(model)
-            model(x)
+            out = model(x)
+            writes = unknown_writes(model, before)
+            for hook in hooks:
+                hook.remove()
+            mixes = batch_sized(out, model(one_more(x)))
     except Exception:  # noqa: BLE001 - a forward that needs values: not known, as before this check
-        return (), ()
+        return Found()
     finally:
         for hook in hooks:
             hook.remove()
     once = {i: out[-1] for i, out in outs.items() if len(out) == 2}  # once in each of the two calls
     cut = [i for i in range(len(ends) - 1) if i in once and i + 1 in once and (nodes := received(once[i]))
            and len(unreached(once[i + 1], nodes)) == len(nodes)]
-    return unknown_writes(model, before), tuple(cut)
+    return Found(writes, tuple(cut), mixes)
+
+
+def one_more(batch: Any) -> Any:
+    """``batch`` with its first sample twice: one sample more."""
+    return pytree.tree_map(lambda t: torch.cat([t, t[:1]]) if isinstance(t, torch.Tensor) and t.dim() else t, batch)
+
+
+def batch_sized(out: Any, bigger: Any) -> tuple[str, ...]:
+    """[Note: samples that meet in the model]
+    The model's outputs for a batch (``out``) and for one sample more (``bigger``): those with a dimension after the
+    first that follows the batch size, as ``"logits_per_text (8, 8)"``. Such an output is computed from every sample
+    of the batch together (CLIP's similarity of each text to each image, in-batch negatives): over micro-batches the
+    model computes another one (each sample meets only its micro-batch's), and a loss over it (a contrastive one, its
+    targets ``arange(len(logits))``) trains another model, without a word. Such a model runs each training batch as
+    one micro-batch under ``Job(batchnorm="batch")``, the default, as a model with BatchNorm does; the run says so."""
+    found = []
+    pairs, _ = pytree.tree_flatten_with_path(out)
+    for (path, a), b in zip(pairs, pytree.tree_leaves(bigger)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() and a.dim() > 1 and any(
+                a.shape[d] != b.shape[d] for d in range(1, a.dim())):
+            found.append(f"output{pytree.keystr(path)} {tuple(a.shape)}")
+    return tuple(found)
 
 
 def traced_writes(pipe, model: nn.Module) -> tuple[str, ...]:
@@ -108,8 +142,13 @@ def stamps(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
     return {n: (b, b._version) for n, b in model.named_buffers(remove_duplicate=False)}
 
 
-def whole_batch_note(writes: tuple[str, ...], microbatches: int) -> str:
+def whole_batch_note(writes: tuple[str, ...], microbatches: int, mixes: tuple[str, ...] = ()) -> str:
     """The run banner's line for a model that runs each training batch as one micro-batch, and why."""
+    if mixes:  # see [Note: samples that meet in the model]
+        return (f"the model's samples meet each other ({', '.join(mixes[:2])}: a dimension after the first follows the "
+                f"batch size): each batch runs as 1 micro-batch so that they meet as in the unsplit model "
+                f"(Job.batchnorm='batch'); batchnorm='micro' pipelines {microbatches} micro-batches, each sample meeting "
+                f"only its micro-batch's")
     what = ("it writes " + ", ".join(writes[:3]) + (f" and {len(writes) - 3} more buffers" if len(writes) > 3 else "")
             if writes else "BatchNorm or spectral norm")
     return (f"the model's training forward updates state ({what}): each batch runs as 1 micro-batch so that it is "

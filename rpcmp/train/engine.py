@@ -344,7 +344,7 @@ class PipelineEngine:
             text += (f"\nspares: {', '.join(self.live.spares)}: one takes over the stages of a lost owner, rebuilt from "
                      f"the live copy in another replica (no step lost)")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
-            text += "\n" + whole_batch_note(pipe.specs[0].writes, pipe.microbatches)
+            text += "\n" + whole_batch_note(pipe.specs[0].writes, pipe.microbatches, pipe.specs[0].mixes)
         return text + "".join("\n" + detached_note(s) for s in pipe.specs if s.detached)
 
     def explain(self, exc: BaseException) -> BaseException:

@@ -136,16 +136,21 @@ def test_a_stage_that_takes_no_gradient_of_its_input_trains_as_the_unsplit_model
 
 
 @pytest.mark.timeout(180)
-def test_the_run_says_which_stages_get_no_gradient():
-    """Often a mistake in the model (a stray detach): the banner says it before the first step."""
-    proc = Command("run", job_path("frozen"), "--local", "4", "--max-steps", "2", merged=True)
+@pytest.mark.parametrize("name, local, says", [
+    ("frozen", "4", "stage 1 takes no gradient of stage 0's output (its forward reads it through detach, no_grad or an "
+                    "op without one): stage 0 gets none and keeps its first values, as in the unsplit model"),
+    ("in_batch", "3", "the model's samples meet each other (output (8, 8): a dimension after the first follows the "
+                      "batch size): each batch runs as 1 micro-batch")])
+def test_the_run_says_what_the_plan_found_in_the_model(name, local, says):
+    """Often a mistake in the model (a stray detach), or a model that cannot be pipelined as it is (in-batch
+    negatives): the banner says it before the first step."""
+    proc = Command("run", job_path(name), "--local", local, "--max-steps", "2", merged=True)
     try:
         out, _ = proc.communicate(timeout=150)
     finally:
         proc.kill()
     assert proc.returncode == 0, out
-    assert ("stage 1 takes no gradient of stage 0's output (its forward reads it through detach, no_grad or an op "
-            "without one): stage 0 gets none and keeps its first values, as in the unsplit model") in " ".join(out.split())
+    assert says in " ".join(out.split())
 
 
 def _timed_split(job, world_size):

@@ -499,6 +499,39 @@ def test_calls_of_one_module_that_trace_to_different_graphs_are_refused_naming_i
         rpcmp.Pipeline(job, world_size=1, microbatches=4, sample=batches(1)[0][0])
 
 
+class _Similarity(torch.nn.Module):  # each sample against every other of its batch (CLIP's logits)
+    def forward(self, z):
+        return z @ z.t()
+
+
+class _InBatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc, self.sim = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh()), _Similarity()
+
+    def forward(self, x):
+        return self.sim(self.enc(x))
+
+
+def _in_batch_negatives(out, y):  # a contrastive loss: each sample's pair is itself, every other is a negative
+    return torch.nn.functional.cross_entropy(out, torch.arange(len(out)))
+
+
+@pytest.mark.parametrize("stages", ["split", "names", "traced"])
+def test_a_model_whose_samples_meet_trains_on_whole_batches_as_the_unsplit_model(job, stages):
+    """A model whose output holds every sample against every other (in-batch negatives) computed another one per
+    micro-batch, and a contrastive loss over it trained another model without a word (see [Note: samples that meet in
+    the model] in rpcmp/plan/writes.py): its batches now run whole, as with BatchNorm."""
+    model, declared = {"split": (lambda: torch.nn.Sequential(*_InBatch().enc, _Similarity()), rpcmp.Split([2, 1])),
+                       "names": (_InBatch, ["enc", "sim"]), "traced": (_InBatch, rpcmp.SplitAt("sim"))}[stages]
+    job = dataclasses.replace(job, loss=_in_batch_negatives)
+    pipe = _trained_as_the_unsplit_model(job, model, declared, (torch.optim.SGD, {"lr": 0.1}))
+    assert pipe.batch_chunks == 1 and pipe.specs[0].mixes
+    x = batches(1)[0][0]
+    assert pipe.eval().predict(x).shape == (len(x), len(x))  # and predictions, whole too
+    pipe.close()
+
+
 def test_a_buffer_write_the_plan_could_not_find_is_said_at_the_first_step(job, capfd):
     """Stages given as modules hold no whole model to run on the meta device: the owner finds the write at its first
     training forward of several micro-batches, and says that the run trains another model and what to set."""

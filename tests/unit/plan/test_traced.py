@@ -374,8 +374,8 @@ def _gpt2_with_an_ema():
 def test_a_traced_plan_finds_a_buffer_write_where_the_forward_cannot_run_on_the_meta_device():
     """A Hugging Face model reads values in its forward (`.item()`), so the meta-device run that finds buffer writes
     fails on it; a SplitAt plan finds the write in its graphs instead (an EMA after the last block)."""
-    from rpcmp.plan.writes import written_buffers
+    from rpcmp.plan.writes import meta_findings
     job = rpcmp.Job(model=_gpt2_with_an_ema, stages=rpcmp.SplitAt("transformer.h.2"))
     x = torch.randint(0, 64, (4, 12))
-    assert written_buffers(job, x) == ((), ())
+    assert meta_findings(job, x) == ((), (), ())
     assert all(s.writes == ("transformer.ln_f.1.mean",) for s in plan_stages(job, x))
