@@ -10,6 +10,7 @@ import difflib
 import inspect
 import operator
 import re
+import threading
 import warnings
 from collections import OrderedDict
 from typing import Any
@@ -28,6 +29,7 @@ from .traced import SplitAt, from_example
 __all__ = ["trace_split", "traces"]
 
 _TRACES: OrderedDict = OrderedDict()  # the last few traces of this process (see traces)
+_TRACING = threading.Lock()  # two stages of one process are built at once, by two RPC threads
 
 
 def trace_split(model: nn.Module, split: SplitAt, sample: Any):
@@ -360,11 +362,12 @@ def traces(job, example: tuple, eval_too: bool = True) -> list:
 
 def _trace(job, example: tuple, train: bool):
     key = (id(job.model), job.seed, repr(job.stages), repr(example), train)
-    entry = _TRACES.get(key)
-    if entry is None or entry[0] is not job.model:  # held here: another thread's build may drop it from the cache
-        model = meta_model(job)
-        entry = _TRACES[key] = (job.model, trace_split(model if train else model.eval(), job.stages,
-                                                       from_example(example, "meta")))
-        while len(_TRACES) > 16:
-            _TRACES.popitem(last=False)
+    with _TRACING:  # one at a time: a trace swaps pipelining's functions for its own while it runs
+        entry = _TRACES.get(key)
+        if entry is None or entry[0] is not job.model:  # held here: another thread's build may drop it from the cache
+            model = meta_model(job)
+            entry = _TRACES[key] = (job.model, trace_split(model if train else model.eval(), job.stages,
+                                                           from_example(example, "meta")))
+            while len(_TRACES) > 16:
+                _TRACES.popitem(last=False)
     return entry[1]

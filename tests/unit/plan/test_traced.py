@@ -379,3 +379,26 @@ def test_a_traced_plan_finds_a_buffer_write_where_the_forward_cannot_run_on_the_
     x = torch.randint(0, 64, (4, 12))
     assert meta_findings(job, x) == ((), (), ())
     assert all(s.writes == ("transformer.ln_f.1.mean",) for s in plan_stages(job, x))
+
+
+def test_traces_made_at_once_by_several_threads_of_one_process_each_succeed():
+    """A trace swaps pipelining's tracing functions for rpcmp's while it runs: two at once in one process (two
+    pipelines built from two threads) took each other's, and failed in torch.export (SymInt 'not tracked with
+    proxy', '_EXPORT_MODULE_HIERARCHY must not be None'). They now take turns."""
+    import dataclasses
+    import threading
+    from rpcmp.plan.export import traces
+    from rpcmp.plan.traced import example_of
+    job, failed = load("nanogpt"), []
+
+    def trace(seed):
+        try:
+            traces(dataclasses.replace(job, seed=seed), example_of(torch.randint(0, 16, (2, 8))), eval_too=False)
+        except Exception as exc:  # noqa: BLE001 - the finding is any failure
+            failed.append(exc)
+    threads = [threading.Thread(target=trace, args=(seed,)) for seed in (101, 102, 103)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed[0]
