@@ -69,4 +69,13 @@ def datasets(job):
     got = job.data()
     if not (isinstance(got, tuple) and len(got) == 2):
         raise JobError(f"Job.data() must return (train_dataset, heldout_dataset_or_None), got {type(got).__name__}")
+    for role, dataset in zip(("training", "held-out"), got):
+        if dataset is not None and (isinstance(dataset, torch.utils.data.IterableDataset) or not (
+                hasattr(type(dataset), "__len__") and hasattr(type(dataset), "__getitem__"))):
+            raise JobError(
+                f"Job.data() returned a {type(dataset).__name__} as its {role} dataset, whose samples are not taken by "
+                f"index (an IterableDataset, a generator, a stream): rpcmp needs a map-style dataset (len(ds) and "
+                f"ds[i]) to shuffle it per epoch, share it among replicas and go back to a step's samples after a lost "
+                f"owner or a resume. Give the samples by index: a list, a TensorDataset, or a Dataset over a "
+                f"memory-mapped token file (np.memmap) as nanoGPT reads it")
     return got

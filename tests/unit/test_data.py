@@ -44,3 +44,27 @@ def test_a_job_s_collate_makes_its_batches_of_samples_of_different_lengths():
     assert first_batch(job).tolist() == [[0, 1, 2, 0, 0], [0, 1, 2, 3, 4]]
     with pytest.raises(JobError, match="Job.collate must be None"):
         rpcmp.Job(stages=[torch.nn.Linear(1, 1)], collate="pad")
+
+
+def test_a_dataset_whose_samples_are_not_taken_by_index_is_refused_saying_what_to_give():
+    """A stream (an IterableDataset) ended the run with TypeError: object of type ... has no len()."""
+    import dataclasses
+
+    import pytest
+
+    from helpers import load
+    from rpcmp.data import datasets
+    from rpcmp.errors import JobError
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __len__(self):  # a length does not make it indexable
+            return 8
+
+        def __iter__(self):
+            yield from ((torch.zeros(16), torch.zeros(8)) for _ in range(8))
+    job = load("mlp")
+    for train, heldout, role in ((Stream(), None, "training"), (list(job.data()[0]), Stream(), "held-out")):
+        with pytest.raises(JobError, match=f"a Stream as its {role} dataset, whose samples are not taken by index.*"
+                                           f"map-style dataset"):
+            datasets(dataclasses.replace(job, data=lambda: (train, heldout)))
+    assert datasets(dataclasses.replace(job, data=lambda: (list(job.data()[0]), None)))[1] is None  # a list is one
