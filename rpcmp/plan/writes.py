@@ -1,8 +1,9 @@
 """What a model's training forward updates besides its parameters: BatchNorm's statistics, spectral norm's power
 iteration, and any buffer a forward of the user's writes (a running mean, an EMA codebook, a quantization
-observer's range). A split run updates such state once per micro-batch where the unsplit model does once a batch,
-so a model that has it runs each training batch as one micro-batch under ``Job(batchnorm="batch")``, the default
-(see [Note: BatchNorm and micro-batches] in rpcmp/master/pipeline.py)."""
+observer's range); and a model whose samples meet each other in its output (in-batch negatives). A split run
+updates such state once per micro-batch where the unsplit model does once a batch (and each sample meets only its
+micro-batch's), so such a model runs each training batch as one micro-batch under ``Job(batchnorm="batch")``, the
+default (see [Note: BatchNorm and micro-batches] in rpcmp/master/pipeline.py)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -17,8 +18,8 @@ from ..core.microbatch import received, unreached
 from .graphs import graphs
 from .materialize import meta_model
 
-__all__ = ["has_batch_state", "meta_findings", "Found", "one_more", "batch_sized", "traced_writes", "whole_batch_note", "detached_note", "stamps",
-           "unknown_writes"]
+__all__ = ["has_batch_state", "meta_findings", "Found", "one_more", "batch_sized", "traced_writes", "whole_batch_note",
+           "detached_note", "stamps", "unknown_writes"]
 
 
 def has_batch_state(module: nn.Module, spec=None) -> bool:
@@ -64,10 +65,10 @@ def meta_findings(job, sample: Any, ends: tuple = ()) -> Found:
             model(x)
             before = stamps(model)
             out = model(x)
-            writes = unknown_writes(model, before)
+            writes = unknown_writes(model, before)  # before a call of another size, which may rebuild a cache
             for hook in hooks:
                 hook.remove()
-            mixes = batch_sized(out, model(one_more(x)))
+            mixes = _mixes(model, x, out)
     except Exception:  # noqa: BLE001 - a forward that needs values: not known, as before this check
         return Found()
     finally:
@@ -77,6 +78,15 @@ def meta_findings(job, sample: Any, ends: tuple = ()) -> Found:
     cut = [i for i in range(len(ends) - 1) if i in once and i + 1 in once and (nodes := received(once[i]))
            and len(unreached(once[i + 1], nodes)) == len(nodes)]
     return Found(writes, tuple(cut), mixes)
+
+
+def _mixes(model: nn.Module, x: Any, out: Any) -> tuple[str, ...]:
+    """:func:`batch_sized` of ``model``'s output ``out`` for ``x``, from a call on one sample more; nothing known for
+    a forward that fixes its batch size (what the two calls before found stands)."""
+    try:
+        return batch_sized(out, model(one_more(x)))
+    except Exception:  # noqa: BLE001 - a forward that fixes its batch size: not known
+        return ()
 
 
 def one_more(batch: Any) -> Any:
@@ -90,8 +100,10 @@ def batch_sized(out: Any, bigger: Any) -> tuple[str, ...]:
     first that follows the batch size, as ``"logits_per_text (8, 8)"``. Such an output is computed from every sample
     of the batch together (CLIP's similarity of each text to each image, in-batch negatives): over micro-batches the
     model computes another one (each sample meets only its micro-batch's), and a loss over it (a contrastive one, its
-    targets ``arange(len(logits))``) trains another model, without a word. Such a model runs each training batch as
-    one micro-batch under ``Job(batchnorm="batch")``, the default, as a model with BatchNorm does; the run says so."""
+    targets ``arange(len(logits))``) trains another model, without a word. Such a model runs each training batch, and
+    each batch it predicts, as one micro-batch under ``Job(batchnorm="batch")``, the default, as a model with
+    BatchNorm trains; the run and ``rpcmp plan`` say so. With replicas each copy's share meets itself, as under DDP.
+    Found by shapes alone: samples that meet in an output of the batch's shape (``x - x.mean(0)``) are not."""
     found = []
     pairs, _ = pytree.tree_flatten_with_path(out)
     for (path, a), b in zip(pairs, pytree.tree_leaves(bigger)):

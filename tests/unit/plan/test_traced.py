@@ -402,3 +402,19 @@ def test_traces_made_at_once_by_several_threads_of_one_process_each_succeed():
     for t in threads:
         t.join()
     assert not failed, failed[0]
+
+
+class _FixedBatch(nn.Module):
+    def forward(self, x):
+        return x.view(8, 32)  # the batch size written into forward
+
+
+def test_what_the_meta_run_finds_stands_for_a_forward_that_fixes_its_batch_size():
+    """The run on one sample more (which finds the samples that meet) fails on such a forward; the buffer write the
+    two runs before found is kept, and that output is not called one whose samples meet."""
+    from rpcmp.plan.writes import meta_findings
+    running_mean = type(load("ema").model()[1])
+    job = rpcmp.Job(model=lambda: nn.Sequential(nn.Linear(16, 32), running_mean(32), _FixedBatch()),
+                    stages=rpcmp.Split([2, 1]))
+    found = meta_findings(job, torch.randn(8, 16))
+    assert found.writes == ("1.mean",) and found.mixes == ()
