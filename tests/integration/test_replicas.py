@@ -151,6 +151,16 @@ def test_a_checkpoint_is_written_once_and_resumes_under_another_replica_count_an
     assert_close_f32(shared["metric"], alone["metric"])
 
 
+@pytest.mark.timeout(240)
+def test_the_copies_predict_a_model_whose_samples_meet_as_one_pipeline_does():
+    """Each copy predicted its share, and a model whose output holds every sample against every other (in-batch
+    negatives) came back as halves: (8, 4) logits in place of (8, 8), a held-out metric of another model. Copy 0 now
+    predicts such a model's batches whole (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
+    one = run_ranks("in_batch", 3, _fit, {"max_steps": 2})
+    copies = run_ranks("in_batch", 5, _fit, {"max_steps": 2, "replicas": 2})
+    assert_close_f32(copies["metric_before"], one["metric_before"])
+
+
 def _predict(job, world_size):
     from rpcmp.train.predict import predict_split
     out_dir = os.path.join(job.checkpoint_dir, "shared")
