@@ -48,6 +48,8 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
     try:
         with _as_cpu(model, sample) as fake_sample:  # see [Note: traced as if on the CPU]
             pipe, reached = _pipeline(model, split, spec, fake_sample)
+    except PartitionError:  # a cause found and said
+        raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
         exc = exc.__cause__ or exc  # pipelining wraps export's error in a general one
         raise PartitionError(
@@ -179,17 +181,34 @@ def _check_one_argument(model: nn.Module, sample: Any) -> None:
 def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
     from torch.distributed.pipelining import pipeline
     from torch.distributed.pipelining._IR import Pipe
+    why = None
     try:
         with _exporting(Pipe, dynamic=True) as (out_specs, reached):
             pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
-    except Exception:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
+    except Exception as exc:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
+        exc = exc.__cause__ or exc
+        why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+        if _reentrant(model):  # traced for its size it fails on another batch, or to trace at all (a bare model)
+            raise PartitionError(
+                f"SplitAt{split.points}: {type(model).__name__} checkpoints its layers with use_reentrant=True (Hugging "
+                f"Face's gradient_checkpointing_enable), which torch.export cannot trace for any batch size ({why}). "
+                f"Enable it with gradient_checkpointing_kwargs={{'use_reentrant': False}}, or leave it off and set "
+                f"Job(recompute=True), which recomputes each stage's forward in its backward") from None
         for point in split.points:  # pipeline() leaves the split points' forward wrapped
             for attr in ("forward", "_orig_forward"):
                 model.get_submodule(point).__dict__.pop(attr, None)
         with _exporting(Pipe, dynamic=False) as (out_specs, reached):
             pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
     pipe.rpcmp_out_spec = out_specs[-1]  # see [Note: the model's output, as the model returns it]
+    pipe.rpcmp_why_fixed = why  # said where a fixed batch size is refused (rpcmp.plan.traced.check_any_batch_size)
     return pipe, reached[-1]
+
+
+def _reentrant(model: nn.Module) -> bool:
+    """Whether the model checkpoints its layers with ``use_reentrant=True`` (Hugging Face's
+    ``gradient_checkpointing_enable``), which export cannot trace for any batch size (it detaches the batch size)."""
+    return any(getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
+               for m in model.modules() if getattr(m, "gradient_checkpointing", False))
 
 
 def _check_reached(model: str, split: SplitAt, reached: list) -> None:

@@ -276,7 +276,8 @@ def check_any_batch_size(pipe, example: Any) -> tuple[str, ...]:
                     f"it was traced with ({n} samples per micro-batch): run on {n + 1} it fails with {type(exc).__name__}: "
                     f"{str(exc).splitlines()[0][:200]}. rpcmp's stages also run whole batches, a smaller last micro-batch and "
                     f"evaluation batches, so such a model cannot be cut on its traced graph yet: declare the stages as modules, "
-                    f"or as an nn.Sequential cut with rpcmp.Split") from None
+                    f"or as an nn.Sequential cut with rpcmp.Split" + (f". Traced for any batch size, it failed with "
+                    f"{pipe.rpcmp_why_fixed}" if getattr(pipe, "rpcmp_why_fixed", None) else "")) from None
     finally:
         for i in range(pipe.num_stages):  # undo the routing installed for the check
             pipe.get_stage_module(i).__dict__.pop("forward", None)

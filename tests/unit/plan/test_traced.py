@@ -418,3 +418,25 @@ def test_what_the_meta_run_finds_stands_for_a_forward_that_fixes_its_batch_size(
                     stages=rpcmp.Split([2, 1]))
     found = meta_findings(job, torch.randn(8, 16))
     assert found.writes == ("1.mean",) and found.mixes == ()
+
+
+def _gpt2_checkpointed(reentrant: bool):
+    import transformers
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=4,
+                                                                 n_head=4, use_cache=False))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    return model
+
+
+@pytest.mark.model
+def test_layers_checkpointed_with_use_reentrant_are_refused_saying_what_to_change():
+    """Such a model was refused for fixing its batch size or for data-dependent control flow (traced with the size it
+    was given), with advice that did not name the cause; the refusal now says it, and the setting that traces."""
+    import functools
+    x = torch.randint(0, 64, (4, 12))
+    job = rpcmp.Job(model=functools.partial(_gpt2_checkpointed, True), stages=rpcmp.SplitAt("transformer.h.2"))
+    with pytest.raises(PartitionError, match=r"GPT2LMHeadModel checkpoints its layers with use_reentrant=True.*which "
+                                             r"torch.export cannot trace.*'use_reentrant': False.*Job\(recompute=True\)"):
+        plan_stages(job, x)
+    import dataclasses
+    assert len(plan_stages(dataclasses.replace(job, model=functools.partial(_gpt2_checkpointed, False)), x)) == 2
