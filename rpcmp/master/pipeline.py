@@ -215,6 +215,12 @@ class Pipeline(PipelineState):
         """Micro-batches per training batch: M, or 1 for whole-batch BatchNorm."""
         return 1 if self.whole_batch_bn else self.microbatches
 
+    @property
+    def predicts_whole(self) -> bool:
+        """Whether a batch is predicted as one micro-batch: the model's samples meet (see [Note: samples that meet in
+        the model] in rpcmp/plan/writes.py) and Job.batchnorm keeps whole batches."""
+        return bool(self.specs[0].mixes) and self.job.batchnorm == "batch"
+
     def apply_step(self, ctx_id: int, loss: torch.Tensor) -> None:
         """The optimizer step of context ``ctx_id`` after the step's backward, as the policy allows
         (non-finite loss, fp16 overflow); with replicas, on gradients averaged over the copies."""
@@ -318,8 +324,7 @@ class Pipeline(PipelineState):
     def predict(self, x: Any) -> Any:
         """Forward without autograd on any stage (call :meth:`eval` first for inference); whole, where the model's
         samples meet (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
-        whole = self.specs[0].mixes and self.job.batchnorm == "batch"
-        return self.forward(x, grad=False, chunks=1 if whole else min(self.microbatches, batch_size(x)))
+        return self.forward(x, grad=False, chunks=1 if self.predicts_whole else min(self.microbatches, batch_size(x)))
 
     # -- mode, tracing, lifetime (the state across owners: rpcmp.master.state) ----------
     def train(self, mode: bool = True) -> "Pipeline":

@@ -243,7 +243,7 @@ class Replicated:
     def predict(self, x: Any) -> Any:
         """Each copy predicts its share; copy 0 the whole batch where the model's samples meet (see [Note: samples
         that meet in the model] in rpcmp/plan/writes.py): the predictions are the unsplit model's."""
-        copies = 1 if self.pipes[0].specs[0].mixes and self.job.batchnorm == "batch" else min(self.copies, batch_size(x))
+        copies = 1 if self.pipes[0].predicts_whole else min(self.copies, batch_size(x))
         parts = self._all(lambda i, p: p.predict(shard(x, i, copies)) if i < copies else None)
         return unshard(parts[:copies])
 
