@@ -239,14 +239,17 @@ class Snapshots:
         """Source b: the lost stages from their buddies' copies, the others from their own; the same step."""
         pipe = self.pipe
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
-        rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, None, old_optims.get(o)))
+        rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, False, old_optims.get(o)))
                    for k, o in enumerate(pipe.owners) if k not in stages]  # while the spare builds
+        rolling += [rpc.rpc_async(spare, snapshot.fetch, args=(pipe.pid, k, step, buddies[k], pipe.job.call_timeout))
+                    for k in stages]  # the buddies' copies travel to the spare while it builds
         try:
             built = rebuild_on_spare(pipe, gone, spare, stages, empty=True)
         except Exception:
             wait_all(rolling)  # the survivors' rollbacks end before another spare is tried
             raise
-        wait_all(rolling + [rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, buddies[k])) for k in stages])
+        wait_all(rolling)
+        wait_all([rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, True)) for k in stages])
         install_rebuilt(pipe, built, old_optims, spare)
         self.last = (pipe.pid, step, tuple(pipe.owners))  # the snapshot the next one follows
         kept = self.kept[step]

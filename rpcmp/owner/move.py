@@ -19,6 +19,7 @@ its generators as they are.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -29,7 +30,7 @@ import torch.distributed.rpc as rpc
 
 from ..core.hparams import apply_fields, read_fields
 from ..core.served import current
-from ..errors import StageError
+from ..errors import StageError, StepCancelled
 from ..plan.partition import warm_trace
 from . import state as stage_state
 from .stage import named_params
@@ -84,11 +85,12 @@ def take_stage(pid: int, index: int, source: str, optimizer: bool, rng: bool, so
 
 
 def fill_stage(host, got: dict[str, Any], where: str, counters: bool = True, copy: bool = False,
-               optim_rref=None) -> None:
+               optim_rref=None, rollback: bool = False) -> None:
     """Give ``host``'s stage the values of ``got`` (what :func:`export_stage` returns) in place, by name;
     its optimizer state goes into ``optim_rref``'s local optimizer, the one that keeps serving the stage (a
-    rollback), or waits for :func:`adopt_optimizer`: copied, with ``copy`` (``got`` is kept)."""
-    with host.lock, torch.no_grad():  # a forward of a failed step still running here finishes first
+    rollback), or waits for :func:`adopt_optimizer`: copied, with ``copy`` (``got`` is kept). ``rollback``: the
+    step failed, and a forward of it still running here stops (see :func:`_stopping_forward`)."""
+    with _stopping_forward(host) if rollback else host.lock, torch.no_grad():
         for kind, mine in (("params", dict(host.module.named_parameters())), ("buffers", dict(host.module.named_buffers()))):
             theirs = got[kind]
             if set(mine) != set(theirs):
@@ -142,6 +144,37 @@ def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int
         got[kind] = {n: v for n in mine for v in [_by_name(found[kind], prefix + n, aliases)] if v is not None}
     got["optimizer"] = {prefix + n: v for n, v in got["optimizer"].items()}
     fill_stage(host, got, f"re-cutting stage {index} ({host.spec.name}) on {rpc.get_worker_info().name}", counters=False)
+
+
+@contextlib.contextmanager
+def _stopping_forward(host):
+    """``host.lock``, taken from a forward of the failed step still running on the stage, not after it.
+
+    [Note: a rollback stops the failed step's forward]
+    When an owner is lost, the survivors roll back to the snapshot while the forward of the micro-batch they
+    were computing still runs: it holds the stage's lock, and the recovery waited for it (the demo Unet's
+    encoder: about 80 ms of a 125 ms recovery; a large stage on a CPU, seconds). Its output is dropped and
+    every value it writes (BatchNorm's running statistics) is overwritten by the rollback. So while the
+    rollback waits for the lock, a module forward pre-hook of this process raises at the next call of one of
+    the stage's modules: the forward ends there, its micro-batch fails as cancelled, and the rollback takes
+    the lock. The hook is registered only for that wait, so a step never pays for it. A stage whose forward
+    calls no module of its own (a flat traced graph) still runs to its end first."""
+    if not host.lock.acquire(blocking=False):
+        mine = {id(m) for m in host.module.modules()}
+
+        def stop(module, args):
+            if id(module) in mine:
+                raise StepCancelled(f"stage {host.spec.index} ({host.spec.name}): its step failed elsewhere, and "
+                                    f"the stage rolls back")
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(stop)
+        try:
+            host.lock.acquire()
+        finally:
+            hook.remove()
+    try:
+        yield
+    finally:
+        host.lock.release()
 
 
 def _by_name(table: dict[str, Any], name: str, aliases: dict[str, tuple[str, ...]]) -> Any:

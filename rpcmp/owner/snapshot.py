@@ -35,7 +35,7 @@ from ..core.health import reason
 from ..core.served import current
 from .move import export_stage, fill_stage
 
-__all__ = ["take", "forget", "reship", "keep", "held", "own_steps", "restore"]
+__all__ = ["take", "forget", "reship", "keep", "held", "own_steps", "fetch", "restore"]
 
 # the own copies an owner keeps at most, a bound for when the master cannot say what may go (a snapshot that
 # failed on an owner): the last two and the one being made
@@ -121,21 +121,20 @@ def own_steps(pid: int) -> list[int]:
     return sorted(set.intersection(*owns)) if owns else []
 
 
-def restore(pid: int, index: int, step: int, buddy: str | None, optim_rref=None) -> None:
-    """Give stage ``index`` here its values of step ``step``: from its own snapshot (``buddy`` None:
-    a stage that was not lost rolls back) or from the one its buddy holds (a stage rebuilt here).
-    ``optim_rref``: this process's local optimizer, which keeps the stage (a rollback): its state is
-    written back into it at once."""
-    served = current()
-    host = served.host(pid, index)
-    if buddy is None:
-        data = served.snapshots[(pid, index)][step]
-    else:
-        data = rpc.rpc_sync(buddy, _give, args=(pid, index, step), timeout=host.timeout)
-    fill_stage(host, data, f"restoring stage {index} ({host.spec.name}) to step {step}", counters=buddy is not None,
-               copy=True, optim_rref=optim_rref)
-    if buddy is not None:  # it is this process's own now, for the next loss
-        served.snapshots[(pid, index)] = {step: data}
+def restore(pid: int, index: int, step: int, rebuilt: bool = False, optim_rref=None) -> None:
+    """Give stage ``index`` here its values of step ``step`` from the snapshot this process holds: its own (a
+    stage that was not lost rolls back) or, for a stage ``rebuilt`` here, the buddy's copy :func:`fetch`
+    brought, counters included. ``optim_rref``: this process's local optimizer, which keeps the stage (a
+    rollback): its state is written back into it at once."""
+    host = current().host(pid, index)
+    fill_stage(host, current().snapshots[(pid, index)][step], f"restoring stage {index} ({host.spec.name}) to step "
+               f"{step}", counters=rebuilt, copy=True, optim_rref=optim_rref, rollback=True)
+
+
+def fetch(pid: int, index: int, step: int, buddy: str, timeout: float) -> None:
+    """On a spare, while it builds stage ``index``: take the buddy's copy of step ``step``, which is this process's
+    own from now on (for :func:`restore`, and for the next loss)."""
+    current().snapshots[(pid, index)] = {step: rpc.rpc_sync(buddy, _give, args=(pid, index, step), timeout=timeout)}
 
 
 def _give(pid: int, index: int, step: int) -> dict[str, Any]:

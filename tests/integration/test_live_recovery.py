@@ -27,11 +27,14 @@ def _command(folder, *extra, job="three", steps=STEPS, local=5):
 
 
 def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three", steps=STEPS,
-                 env: dict | None = None, local: int = 5):
+                 env: dict | None = None, local: int = 5, started=None):
     """Run the job (``env``: added to its environment); when the metrics show step k (or once the file k names
-    exists), send ``sig`` to process ``name``, for each (k, name, sig)."""
+    exists, or ``k()`` is true), send ``sig`` to process ``name``, for each (k, name, sig). ``started``: given the
+    run's process id."""
     proc = Command(*_command(folder, *extra, job=job, steps=steps, local=local), merged=True,
                    env={**os.environ, **(env or {}), "COLUMNS": "200"})
+    if started is not None:
+        started(proc.pid)
     try:
         for at, name, sig in hits:
             deadline = time.monotonic() + 120
@@ -85,6 +88,45 @@ def _assert_quiet_after_the_loss(out: str, lost: str) -> None:
     [Note: a quiet end after a loss] in rpcmp/launch/ending.py)."""
     lines = [line for line in out.splitlines() if "tensorpipe_agent.cpp" in line or "rref_context.cpp" in line]
     assert not [line for line in lines if lost not in line] and "Leaking RRef" not in out, out
+
+
+def _forwards(log: str, pid: int) -> list[list[int]]:
+    """The layers each forward of process ``pid`` called, in order (slow_forward.py's log)."""
+    runs = []
+    for line in open(log).read().splitlines():
+        who, layer = map(int, line.split())
+        if who == pid:
+            runs.append([]) if layer == 0 else None
+            runs[-1].append(layer)
+    return runs
+
+
+@pytest.mark.timeout(200)
+def test_the_survivors_roll_back_without_waiting_for_the_forward_of_the_failed_step(tmp_path):
+    """The owner of stage 1 is killed while stage 0 (0.1 s a layer, 10 layers) is 3 layers into the forward of step 3:
+    that forward stops at the rollback instead of running its other layers first, and the run ends with the model of
+    one left alone (see [Note: a rollback stops the failed step's forward])."""
+    log, steps = str(tmp_path / "layers.log"), 5
+    clean = run_command(*_command(tmp_path / "clean", "--spares", "1", job="slow_forward", steps=steps), timeout=120)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    root, worker1 = [], []
+
+    def in_the_third_forward() -> bool:  # steps 1 and 2 done, the snapshot of step 0 made
+        if not worker1 and (pid := descendant(root[0], "rpcmp-worker1")) is not None:
+            worker1.append(pid)
+        runs = _forwards(log, worker1[0]) if worker1 and os.path.exists(log) else []
+        return len(runs) > 3 or len(runs) == 3 and len(runs[-1]) >= 3
+
+    code, out = _run_and_hit(tmp_path / "run", [(in_the_third_forward, "worker2", signal.SIGKILL)], "--spares", "1",
+                             job="slow_forward", steps=steps, env={"SLOW_FORWARD_S": "0.1", "SLOW_FORWARD_LOG": log},
+                             started=root.append)
+    assert code == 0 and out.count("recovered: worker2 was lost") == 1, out
+    runs = _forwards(log, worker1[0])
+    full = max(map(len, runs))
+    assert [k for k, r in enumerate(runs) if len(r) < full] == [2], runs  # before: every forward ran to its end
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == steps
+    assert_close_f32(got["model"], load_checkpoint(str(tmp_path / "clean"))["model"])
 
 
 @pytest.mark.timeout(300)

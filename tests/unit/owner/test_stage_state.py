@@ -54,7 +54,7 @@ def test_a_snapshot_is_a_copy_that_later_steps_leave_alone_and_its_owner_drops_w
         assert kept["params"] and all(torch.equal(v, at_three[prefix + k]) for k, v in kept["params"].items())
         assert any(not torch.equal(v, pipe.state_dict()[prefix + k]) for k, v in kept["params"].items())
     with pytest.raises(RuntimeError, match="of step 4, not 3"):  # a buddy answers only for the step it holds
-        snapshot.restore(pipe.pid, 1, 3, "master")
+        snapshot.fetch(pipe.pid, 1, 3, "master", 10)
 
 
 def test_a_buddy_keeps_the_copy_a_recovery_chose_when_a_later_one_lands_meanwhile(pipe):
@@ -69,12 +69,13 @@ def test_a_buddy_keeps_the_copy_a_recovery_chose_when_a_later_one_lands_meanwhil
     current().shipping[pipe.pid].wait()
     copy = current().buddy_snapshots[(pipe.pid, 1)][1]
     names = [copy["prefix"] + k for k in copy["params"]]
-    snapshot.restore(pipe.pid, 1, 1, "master")  # the spare takes step 1's copy, not the one that came after
+    snapshot.fetch(pipe.pid, 1, 1, "master", 10)  # the spare takes step 1's copy, not the one that came after
+    snapshot.restore(pipe.pid, 1, 1, True)
     now = pipe.state_dict()
     assert names and all(torch.equal(now[k], state[k]) for k in names)
     assert list(current().buddy_snapshots[(pipe.pid, 1)]) == [2]  # read: the latest alone stays
     with pytest.raises(RuntimeError, match="of step 2, not 1"):
-        snapshot.restore(pipe.pid, 1, 1, "master")
+        snapshot.fetch(pipe.pid, 1, 1, "master", 10)
     snapshot.take(pipe.pid, 3, _optims(pipe), {0: "master", 1: "master"})
     current().shipping[pipe.pid].wait()
     assert list(current().buddy_snapshots[(pipe.pid, 0)]) == [3]  # no recovery reading: one copy a stage
@@ -86,8 +87,9 @@ def test_a_stage_rolls_back_to_its_own_copy_or_its_buddys_with_optimizer_state_b
     snapshot.take(pipe.pid, 1, _optims(pipe), {0: "master", 1: "master"})
     current().shipping[pipe.pid].wait()
     _step(pipe, 2)
-    snapshot.restore(pipe.pid, 0, 1, None)  # its own copy
-    snapshot.restore(pipe.pid, 1, 1, "master")  # the buddy's, as a stage rebuilt on a spare
+    snapshot.restore(pipe.pid, 0, 1)  # its own copy
+    snapshot.fetch(pipe.pid, 1, 1, "master", 10)  # the buddy's, as a stage rebuilt on a spare
+    snapshot.restore(pipe.pid, 1, 1, True)
     for key, value in pipe.state_dict().items():
         assert torch.equal(value, state[key]), key
     for index in (0, 1):
@@ -106,9 +108,9 @@ def test_a_rolled_back_optimizer_takes_the_snapshot_s_state_into_its_own_tensors
     state = rref.local_value().optim.state
     first = list(current().host(pipe.pid, 0).module.parameters())
     before = [{k: v.data_ptr() for k, v in state[p].items()} for p in first]
-    snapshot.restore(pipe.pid, 0, 1, None, rref)  # into the optimizer at once, as a recovery's rollback does
+    snapshot.restore(pipe.pid, 0, 1, False, rref)  # into the optimizer at once, as a recovery's rollback does
     assert current().host(pipe.pid, 0).moved_optimizer[0] is None  # nothing left for adopt_optimizer but fields
-    snapshot.restore(pipe.pid, 1, 1, None)  # copied, for adopt_optimizer
+    snapshot.restore(pipe.pid, 1, 1)  # copied, for adopt_optimizer
     move.adopt_optimizer(pipe.pid, rref, None)
     assert first and [{k: v.data_ptr() for k, v in state[p].items()} for p in first] == before  # no fresh memory
     after = pipe.optimizer_state()
