@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from ..errors import PartitionError
+from .copies import Copies, Copy, needed, recorded, same
 
 __all__ = ["meta_model", "build_part", "build_whole", "tensor_names", "tensor_aliases", "tensor_table", "set_tensor", "attach_tensor",
            "graph_constants", "attribute", "read_constant", "set_constant", "keep_persistence", "check_materialized"]
@@ -232,39 +233,47 @@ def _hook(module, name, tensor):
     return on_tensor(module, name, tensor)
 
 
-def _record(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]:
-    """Step 1: the model on the meta device and, for each registration in order, the final
-    names of the registered tensor (none if it was replaced later), its shape and dtype. The
+def _record(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]], list[Copy]]:
+    """Step 1: the model on the meta device; for each registration in order, the final names of
+    the registered tensor (none if it was replaced later), its shape and dtype; and the tensors the
+    construction deep-copied (see [Note: copies of a module] in :mod:`rpcmp.plan.copies`). The
     construction seeds (``job.seed``) and may draw; the process's generators come out as they went
     in, so that planning or tracing while training leaves the masks a stage here draws alone."""
     with torch.random.fork_rng(devices=[]):
         return _record_seeded(job)
 
 
-def _record_seeded(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]]]:
+def _record_seeded(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.dtype]], list[Copy]]:
     order: list[tuple] = []  # (module, name, tensor, its shape and dtype when registered)
+    copies: list[tuple] = []  # (the tensor copied, its copy)
 
     def note(module, name, t):
         order.append((module, name, t, tuple(t.shape), t.dtype))
 
+    def seen(t, memo, deepcopy):
+        copies.append((t, deepcopy(t, memo)))
+        return copies[-1][1]
+
     scratch = _Scratch()
     try:
-        with _Hooks(note), torch.device("meta"):
+        with _Hooks(note), Copies(seen), torch.device("meta"):
             model = _construct(job)
     except PartitionError:
         raise
     except Exception:  # noqa: BLE001 - construction that needs real values: see the Note
         order.clear()
+        copies.clear()
 
         def on_scratch(module, name, t):
             order.append((module, name, scratch.take(t), tuple(t.shape), t.dtype))
             return order[-1][2]
-        with _Hooks(on_scratch):
+        with _Hooks(on_scratch), Copies(seen):
             model = _construct(job)
         scratch.release()
     # every tensor to meta, also those made on the CPU despite the meta default (``torch.Tensor(n)``)
     model = _to_meta(model, scratch, everything=True)
-    return model, _final_names(model, [(m, n, scratch.meta_of.get(id(t), t), *rest) for m, n, t, *rest in order])
+    made = recorded(copies, [t for _, _, t, *_ in order], tensor_names(model), scratch.meta_of)
+    return model, _final_names(model, [(m, n, scratch.meta_of.get(id(t), t), *rest) for m, n, t, *rest in order]), made
 
 
 def _final_names(model: nn.Module, order: list[tuple]) -> list[tuple[list[str], tuple, torch.dtype]]:
@@ -284,26 +293,35 @@ def _final_names(model: nn.Module, order: list[tuple]) -> list[tuple[list[str], 
 def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
     """``job.model()`` built under ``job.seed`` where every parameter and buffer whose name
     ``keep`` accepts holds its unsplit value and every other one is on the meta device."""
-    _, order = _record(job)
-    others = [(shape, dtype) for names, shape, dtype in order if not any(keep(n) for n in names)]
+    _, order, copies = _record(job)
+    real, sources = needed(copies, keep)  # see [Note: copies of a module] in rpcmp/plan/copies.py
+    others = [(shape, dtype) for i, (names, shape, dtype) in enumerate(order)
+              if not any(keep(n) for n in names) and i not in sources]
+    others += [(c.shape, c.dtype) for c, r in zip(copies, real) if not r]
     scratch = _Scratch({d: max((_numel(s) for s, dd in others if dd == d), default=0) for _, d in others})
-    seen = iter(order)
+    seen, made = iter(enumerate(order)), iter(zip(copies, real))
 
     def place(module, name, t):
-        names, shape, dtype = next(seen, ([], None, None))
-        if shape != tuple(t.shape) or dtype != t.dtype:
-            raise PartitionError(
-                f"building {job.source or 'the model'} twice registered different tensors ({shape}, {dtype} the first "
-                f"time, {tuple(t.shape)}, {t.dtype} the second): the model's construction is not deterministic, so "
-                f"an owner cannot build its part alone. Build the same model for the same seed, or declare the "
-                f"stages as modules")
+        i, (names, shape, dtype) = next(seen, (None, ([], None, None)))
+        same(job, "registered", (shape, dtype), t)
         if any(keep(n) for n in names):
             scratch.slots.discard((id(module), name))  # a kept tensor replaced a scratch one there (a tied weight)
             return scratch.own(t)
         scratch.slots.add((id(module), name))
-        return scratch.take(t)
+        return t if i in sources else scratch.take(t)  # a kept copy is made from it: its values, until _to_meta
 
-    with _Hooks(place):
+    def copy(t, memo, deepcopy):
+        c, r = next(made, (None, False))
+        same(job, "copied", (c.shape, c.dtype) if c else (None, None), t)
+        if not r:
+            memo[id(t)] = scratch.take(t, fresh=True)
+            return memo[id(t)]
+        out = deepcopy(t, memo)
+        if not any(keep(n) for n in c.names):  # a kept copy is made from it: its values, until _to_meta
+            scratch.given[id(out)] = out
+        return out
+
+    with _Hooks(place), Copies(copy):
         model = _construct(job)
     scratch.release()
     model = _to_meta(model, scratch)
@@ -330,8 +348,10 @@ class _Scratch:
         copy = t.detach().clone()
         return nn.Parameter(copy, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else copy
 
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        if id(t) in self.given:  # tied: registered again under another name
+    def take(self, t: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+        """A scratch view in place of ``t`` (``t`` itself if it is one already, registered again under another name:
+        tied), or, ``fresh``, a view of its own (a copy of ``t``)."""
+        if id(t) in self.given and not fresh:
             return t
         n = _numel(t.shape)
         buf = self.buffers.get(t.dtype)

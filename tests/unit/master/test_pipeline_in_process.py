@@ -450,6 +450,35 @@ def test_a_stage_that_takes_no_gradient_of_its_input_trains_as_the_unsplit_model
     pipe.close()
 
 
+def _layer():
+    return torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+
+class _TorchEncoder(torch.nn.Module):
+    """PyTorch's own transformer: nn.TransformerEncoder deep-copies the layer it is given into each of its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.out = torch.nn.TransformerEncoder(_layer(), 3, enable_nested_tensor=False), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(2)
+        return self.out(self.enc(x.unflatten(1, (2, 8)), mask=mask, is_causal=True).flatten(1))
+
+
+@pytest.mark.parametrize("stages", ["split", "traced"])
+def test_layers_the_construction_deep_copies_train_as_the_unsplit_model(job, stages):
+    """Each owner built the layers nn.TransformerEncoder copies from one layer held in scratch memory: every copy
+    had another tensor's values, and the pipeline trained another model (see [Note: copies of a module] in
+    rpcmp/plan/copies.py)."""
+    model, declared = {
+        "split": (lambda: torch.nn.Sequential(torch.nn.Unflatten(1, (2, 8)), *torch.nn.TransformerEncoder(_layer(), 3).layers,
+                                              torch.nn.Flatten(), torch.nn.Linear(16, 8)), rpcmp.Split([2, 4])),
+        "traced": (_TorchEncoder, rpcmp.SplitAt("enc.layers.1"))}[stages]
+    pipe = _trained_as_the_unsplit_model(job, model, declared, (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}))
+    pipe.close()
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

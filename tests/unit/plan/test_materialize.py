@@ -1,4 +1,5 @@
 """An owner builds its part of a model alone, with the values the unsplit build gives it."""
+import copy
 import types
 
 import pytest
@@ -34,10 +35,26 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True) for _ in range(3))
 
 
+class Teacher(nn.Module):  # a copy of a module the model keeps (an EMA teacher), and copies of copies
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+        self.teacher = copy.deepcopy(self.student)
+        self.pair = nn.ModuleList(copy.deepcopy(self.teacher[0]) for _ in range(2))
+        self.pairs = copy.deepcopy(self.pair)
+        nn.init.normal_(self.pair[1].weight)  # drawn after the copies were made
+
+
 FAMILIES = {
     "resnet18": lambda: torchvision.models.resnet18(num_classes=10),
     "unet": lambda: smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=2),  # torch.Tensor(n) inside
     "transformer": Encoder,
+    # one layer built, then deep-copied into each of the model's layers (see [Note: copies of a module]); nn.Transformer
+    # draws every weight again after its copies
+    "torch_encoder": lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 4,
+                                                   enable_nested_tensor=False),
+    "torch_transformer": lambda: nn.Transformer(16, 4, 2, 2, 32, batch_first=True),
+    "copies": Teacher,
     "tied": Tied,
     "reads_values": ReadsValues,
     # converted in the construction: the buffers `.to` makes anew are the registered ones
