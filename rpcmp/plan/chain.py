@@ -18,6 +18,7 @@ import operator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import PartitionError
@@ -34,7 +35,7 @@ def check_chain(model: nn.Module, chain: list[str], sample: Any) -> None:
     was_training = model.training
     model.eval()  # the graph's structure; BatchNorm and dropout in eval mode need no batch statistics
     try:
-        program = torch.export.export(model, (sample,), strict=False)
+        program = _export(model, sample, chain)
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
         raise PartitionError(
             f"cannot check that {cls}.forward is the chain {chain}: tracing it with torch.export failed "
@@ -76,6 +77,51 @@ def check_chain(model: nn.Module, chain: list[str], sample: Any) -> None:
     if returned != {chain[-1]}:
         raise PartitionError(f"{cls}.forward returns {sorted(map(str, returned))}, not only the output of "
                              f"{chain[-1]!r}. {_FIX}")
+    _whole_outputs(program, chain, cls)
+
+
+def _export(model: nn.Module, sample: Any, chain: list[str]):
+    """The model's program, with each child's call signature where export can keep them (see _whole_outputs)."""
+    try:
+        return torch.export.export(model, (sample,), strict=False, preserve_module_call_signature=tuple(chain))
+    except Exception:  # noqa: BLE001 - a child whose call export cannot keep: the graph alone is checked
+        return torch.export.export(model, (sample,), strict=False)
+
+
+def _whole_outputs(program, chain: list[str], cls: str) -> None:
+    """Refuse a ``forward`` that hands a child a part of the one before's output (``self.head(self.rnn(x)[0])``,
+    ``.last_hidden_state``), or takes a part of the model's input or of the last child's output: picking an element
+    is no operation in the graph, but the chain hands each child the whole output of the one before, and the
+    model's input to the first."""
+    calls = {e.fqn: e.signature for e in program.module_call_graph if e.signature is not None}
+    root = calls.get("")
+    pairs = [("the model's input", root.in_spec.children_specs[0] if root else None, chain[0])]
+    pairs += [(f"the output of {a!r}", calls[a].out_spec if a in calls else None, b) for a, b in zip(chain, chain[1:])]
+    for what, given, child in pairs:
+        if given is None or child not in calls:
+            continue
+        args = calls[child].in_spec.children_specs[0]
+        expected = given if what == "the model's input" else _args_of(given)
+        if args != expected:
+            raise PartitionError(f"{cls}.forward calls {child!r} with {_spec(args)}, not with {what} whole ({_spec(given)}"
+                                 f"): a part of it (`out[0]`, `out.last_hidden_state`) or more; a chain of children "
+                                 f"hands each child the whole output of the one before. {_FIX}")
+    if root is not None and chain[-1] in calls and root.out_spec != calls[chain[-1]].out_spec:
+        raise PartitionError(f"{cls}.forward returns {_spec(root.out_spec)}, not the output of {chain[-1]!r} whole "
+                             f"({_spec(calls[chain[-1]].out_spec)}). {_FIX}")
+
+
+def _args_of(out):
+    """The call signature's positional arguments of a child called with ``out`` alone."""
+    return pytree.tree_structure((pytree.tree_unflatten([0] * out.num_leaves, out),))
+
+
+def _spec(spec) -> str:
+    if spec.is_leaf():
+        return "a tensor"
+    if spec.type is tuple and spec.num_children == 1:
+        return _spec(spec.children_specs[0]) if spec.children_specs[0].is_leaf() else f"({_spec(spec.children_specs[0])},)"
+    return f"{getattr(spec.type, '__name__', spec.type)} of {spec.num_children}"
 
 
 _FIX = ("Cut the traced model instead, which keeps every operation of forward: stages=rpcmp.SplitAt(<name of the "

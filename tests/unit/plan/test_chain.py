@@ -81,6 +81,26 @@ def test_a_chain_that_is_forward_is_accepted():
     assert len(_plan(seq, [["0", "1"], "2"])) == 2  # an nn.Sequential's forward is its chain: no tracing
 
 
+class Recurrent(nn.Module):  # nn.LSTM returns (output, (h, c)): forward takes the output alone
+    def __init__(self, last: bool = False):
+        super().__init__()
+        self.emb, self.rnn, self.head, self.last = nn.Embedding(10, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 3), last
+
+    def forward(self, x):
+        return self.rnn(self.emb(x))[0] if self.last else self.head(self.rnn(self.emb(x))[0])
+
+
+def test_a_child_handed_a_part_of_the_output_before_is_refused():
+    """Picking an element of a child's output is no operation in the graph: the chain passed rnn's whole tuple to
+    head, and the first step failed inside the stage (`linear(): argument 'input' must be Tensor, not tuple`)."""
+    x = torch.randint(0, 10, (2, 5))
+    with pytest.raises(PartitionError, match=r"Recurrent.forward calls 'head' with a tensor, not with the output of "
+                                             r"'rnn' whole \(tuple of 2\): a part of it"):
+        _plan(Recurrent, ["emb", "rnn", "head"], x)
+    with pytest.raises(PartitionError, match=r"Recurrent.forward returns a tensor, not the output of 'rnn' whole"):
+        _plan(lambda: Recurrent(last=True), ["emb", "rnn"], x)
+
+
 def test_a_model_that_cannot_be_traced_is_refused_with_the_fix():
     class DataDependent(Chain):
         def forward(self, x):
