@@ -270,6 +270,12 @@ def _record_seeded(job) -> tuple[nn.Module, list[tuple[list[str], tuple, torch.d
         with _Hooks(on_scratch), Copies(seen):
             model = _construct(job)
         scratch.release()
+    lazy = [n for n, t in tensor_table(model).items() if isinstance(t, nn.parameter.UninitializedTensorMixin)]
+    if lazy:
+        raise PartitionError(f"Job.model() returned a model whose tensors have no shape yet: {_some(lazy)} (lazy modules, "
+                             f"nn.LazyLinear and the like, take their shapes at their first forward, so no process can "
+                             f"build its part alone). Give them their sizes (nn.Linear(in_features, out_features)), or "
+                             f"run one batch through the model in the factory before returning it")
     # every tensor to meta, also those made on the CPU despite the meta default (``torch.Tensor(n)``)
     model = _to_meta(model, scratch, everything=True)
     made = recorded(copies, [t for _, _, t, *_ in order], tensor_names(model), scratch.meta_of)

@@ -96,3 +96,14 @@ def test_a_construction_that_is_not_deterministic_is_refused():
     job = types.SimpleNamespace(model=lambda: nn.Linear(next(sizes), 2), seed=0, source="job.py")
     with pytest.raises(PartitionError, match="not deterministic"):
         build_part(job, lambda name: name == "bias")
+
+
+def test_a_model_with_lazy_modules_is_refused_saying_what_to_give():
+    job = types.SimpleNamespace(model=lambda: nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 2)), seed=0, source="job.py")
+    with pytest.raises(PartitionError, match=r"tensors have no shape yet: 0.bias, 0.weight \(lazy modules.*Give them "
+                                             r"their sizes"):
+        build_part(job, lambda name: name.startswith("1."))
+    warmed = nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 2))
+    warmed(torch.zeros(1, 3))  # run once in the factory: shapes, and values drawn there
+    job.model = lambda: copy.deepcopy(warmed)
+    assert build_part(job, lambda name: name.startswith("0."))[0].weight.shape == (8, 3)
