@@ -9,8 +9,9 @@ over: every copy got another tensor's values, and a pipeline of ``nn.Transformer
 the unsplit one (its first loss 5 % off), without a word. So the construction runs with ``copy.deepcopy`` of a tensor
 seen as well (:class:`Copies`): the meta run records each copy in order, what it copied (a registration or an earlier
 copy) and the names the copy ends with; the real run then gives memory of its own to every tensor a kept copy is
-made from (the layer copied: one layer more, for the construction's time), lets a kept copy clone it, and makes
-every other copy a scratch view of its own (so that an initialization after the copy still draws the same numbers).
+made from (the layer copied: one layer more, for the construction's time), lets a kept copy (and one the model
+does not hold: a temporary the construction may read) clone it, and makes every other copy, a tensor of another
+stage, a scratch view of its own (so that an initialization after the copy still draws the same numbers).
 """
 from __future__ import annotations
 
@@ -102,9 +103,10 @@ def same(job, what: str, first: tuple, t: torch.Tensor) -> None:
 
 
 def needed(copies: list[Copy], keep: Callable[[str], bool]) -> tuple[list[bool], set[int]]:
-    """Which copies the built part must make for real (it keeps them, or a kept one is made from them), and which
-    registrations must hold their own values for that (see [Note: copies of a module])."""
-    real = [any(keep(n) for n in c.names) for c in copies]
+    """Which copies the built part must make for real (it keeps them, they are no tensor of the model: a temporary
+    the construction may read, or a kept one is made from them), and which registrations must hold their own values
+    for that (see [Note: copies of a module])."""
+    real = [not c.names or any(keep(n) for n in c.names) for c in copies]  # a temporary may be read: its values
     registrations: set[int] = set()
     for j in reversed(range(len(copies))):
         source = copies[j].source

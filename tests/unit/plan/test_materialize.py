@@ -45,6 +45,15 @@ class Teacher(nn.Module):  # a copy of a module the model keeps (an EMA teacher)
         nn.init.normal_(self.pair[1].weight)  # drawn after the copies were made
 
 
+class CopiedTable(nn.Module):  # a temporary copy the construction reads: it keeps its values
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        table = copy.deepcopy(torch.randn(3, 4))
+        self.register_buffer("pe", table * 2)
+        self.b = nn.Linear(4, 4)
+
+
 FAMILIES = {
     "resnet18": lambda: torchvision.models.resnet18(num_classes=10),
     "unet": lambda: smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=2),  # torch.Tensor(n) inside
@@ -55,6 +64,7 @@ FAMILIES = {
                                                    enable_nested_tensor=False),
     "torch_transformer": lambda: nn.Transformer(16, 4, 2, 2, 32, batch_first=True),
     "copies": Teacher,
+    "copied_table": CopiedTable,
     "tied": Tied,
     "reads_values": ReadsValues,
     # converted in the construction: the buffers `.to` makes anew are the registered ones
