@@ -18,7 +18,6 @@ import operator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import PartitionError
@@ -95,33 +94,26 @@ def _whole_outputs(program, chain: list[str], cls: str) -> None:
     model's input to the first."""
     calls = {e.fqn: e.signature for e in program.module_call_graph if e.signature is not None}
     root = calls.get("")
-    pairs = [("the model's input", root.in_spec.children_specs[0] if root else None, chain[0])]
+    inputs = root.in_spec.children_specs[0].children_specs if root else []
+    pairs = [("the model's input", inputs[0] if len(inputs) == 1 else None, chain[0])]
     pairs += [(f"the output of {a!r}", calls[a].out_spec if a in calls else None, b) for a, b in zip(chain, chain[1:])]
     for what, given, child in pairs:
         if given is None or child not in calls:
             continue
-        args = calls[child].in_spec.children_specs[0]
-        expected = given if what == "the model's input" else _args_of(given)
-        if args != expected:
-            raise PartitionError(f"{cls}.forward calls {child!r} with {_spec(args)}, not with {what} whole ({_spec(given)}"
-                                 f"): a part of it (`out[0]`, `out.last_hidden_state`) or more; a chain of children "
-                                 f"hands each child the whole output of the one before. {_FIX}")
+        args, kwargs = calls[child].in_spec.children_specs
+        handed = args.children_specs + kwargs.children_specs  # by position or by keyword, one argument
+        if handed != [given]:
+            got = _spec(handed[0]) if len(handed) == 1 else f"{len(handed)} arguments"
+            raise PartitionError(f"{cls}.forward calls {child!r} with {got}, not with {what} whole ({_spec(given)}): a "
+                                 f"part of it (`out[0]`, `out.last_hidden_state`) or more; a chain of children hands "
+                                 f"each child the whole output of the one before. {_FIX}")
     if root is not None and chain[-1] in calls and root.out_spec != calls[chain[-1]].out_spec:
         raise PartitionError(f"{cls}.forward returns {_spec(root.out_spec)}, not the output of {chain[-1]!r} whole "
                              f"({_spec(calls[chain[-1]].out_spec)}). {_FIX}")
 
 
-def _args_of(out):
-    """The call signature's positional arguments of a child called with ``out`` alone."""
-    return pytree.tree_structure((pytree.tree_unflatten([0] * out.num_leaves, out),))
-
-
 def _spec(spec) -> str:
-    if spec.is_leaf():
-        return "a tensor"
-    if spec.type is tuple and spec.num_children == 1:
-        return _spec(spec.children_specs[0]) if spec.children_specs[0].is_leaf() else f"({_spec(spec.children_specs[0])},)"
-    return f"{getattr(spec.type, '__name__', spec.type)} of {spec.num_children}"
+    return "a tensor" if spec.is_leaf() else f"{getattr(spec.type, '__name__', spec.type)} of {spec.num_children}"
 
 
 _FIX = ("Cut the traced model instead, which keeps every operation of forward: stages=rpcmp.SplitAt(<name of the "

@@ -73,8 +73,14 @@ def test_a_residual_add_and_a_skip_connection_are_refused():
         _plan(Skip, ["down", "up"])
 
 
+class ByKeyword(Chain):
+    def forward(self, x):
+        return self.b(input=self.a(x))
+
+
 def test_a_chain_that_is_forward_is_accepted():
     assert [s.name for s in _plan(Chain, ["a", "b"])] == ["a", "b"]
+    assert len(_plan(ByKeyword, ["a", "b"])) == 2  # the output before handed whole, by keyword
     unet = lambda: smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1)  # noqa: E731
     assert len(_plan(unet, ["encoder", ["decoder", "segmentation_head"]], torch.randn(2, 1, 64, 64))) == 2
     seq = lambda: nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))  # noqa: E731
