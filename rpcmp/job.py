@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
@@ -137,6 +138,10 @@ class Job:
         cls, kwargs = _optimizer(self.optimizer)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise JobError(f"Job.optimizer must be (torch.optim.<Class>, {{kwargs}}), got {self.optimizer!r}")
+        if _needs_closure(cls):
+            raise JobError(f"Job.optimizer: {cls.__name__}.step needs a closure that evaluates the whole model's loss "
+                           f"again (a line search), but each stage's optimizer steps alone on its own gradients, once "
+                           f"a step; use an optimizer that steps on the gradients alone (SGD, Adam, AdamW, ...)")
         self.optimizer = (cls, kwargs)
         if self.scheduler is not None:
             scls, skw = _optimizer(self.scheduler)
@@ -176,6 +181,15 @@ class Job:
         if self.rpc_timeout is not None:
             return float(self.rpc_timeout)
         return 60.0 if self.spares else 1800.0
+
+
+def _needs_closure(cls: type) -> bool:
+    """Whether ``cls.step`` takes a ``closure`` it cannot do without (LBFGS)."""
+    try:
+        closure = inspect.signature(cls.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _optimizer(value: Any) -> tuple[Any, dict]:

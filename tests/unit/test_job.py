@@ -44,6 +44,7 @@ def test_job_file_without_job(tmp_path):
     ("microbatches", 9, r"microbatches \(9\) is larger than Job.batch_size \(8\)"),
     ("transport", "ib", "transport must be one of"),
     ("optimizer", ("sgd", {}), "torch.optim.<Class>"),
+    ("optimizer", (torch.optim.LBFGS, {}), r"LBFGS.step needs a closure .* use an optimizer that steps on the gradients"),
     ("max_steps", 0, "max_steps must be None or a positive integer"),
     ("batchnorm", "deferred", r"batchnorm must be 'batch' \(whole-batch statistics, exact\) or 'micro'"),
     ("precision", "fp8", "precision must be 'fp32', 'bf16' or 'fp16'"),
