@@ -22,7 +22,7 @@ from .plan.partition import Split, SplitAt, declaration_kind
 from .plan.topology import check_replicas
 from .core.wire import WIRES
 
-__all__ = ["Job", "load_job", "check_movable"]
+__all__ = ["Job", "load_job", "check_movable", "loss_of"]
 
 _TRANSPORTS = ("uv", "shm")
 
@@ -181,6 +181,16 @@ class Job:
         if self.rpc_timeout is not None:
             return float(self.rpc_timeout)
         return 60.0 if self.spares else 1800.0
+
+
+def loss_of(job, out: Any, y: Any) -> torch.Tensor:
+    """``job.loss(out, y)``, refused unless it is one number (what every backward starts from)."""
+    value = job.loss(out, y)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.reshape(())
+    got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+    raise JobError(f"Job.loss must return one number (a 0-dimensional tensor), got {got}: reduce it over the "
+                   f"samples (reduction='mean')")
 
 
 def _needs_closure(cls: type) -> bool:

@@ -20,6 +20,7 @@ from ..core.microbatch import batch_size, gather, has_tensors, map_tensors, scat
 from ..plan.schedule import Loss, Plan, make_plan
 from ..plan.lengths import check_sizes
 from ..errors import JobError, StepCancelled
+from ..job import loss_of
 
 __all__ = ["run_step", "check_mean_loss", "Steppable"]
 
@@ -234,7 +235,7 @@ class _MicroBatches:
             if self.roots[i] is not None:  # None: the loss does not depend on this micro-batch's output
                 pipe.backward(ctx, self.roots[i])
             return
-        loss = pipe.job.loss(out, self.ys[i]) * (batch_size(self.xs[i]) / self.n)
+        loss = loss_of(pipe.job, out, self.ys[i]) * (batch_size(self.xs[i]) / self.n)
         if self.outs is not None:
             self.outs[i] = map_tensors(out, torch.Tensor.detach)
         pipe.backward(ctx, loss)
@@ -255,7 +256,7 @@ class _MicroBatches:
                 "labels does): it has no batch dimension to gather. Leave the labels out of the model's input, pass "
                 "them as y and compute the loss in Job.loss from the outputs (out.logits), or use "
                 "schedule='overlap' (the loss per micro-batch, weighted by its share of the samples)")
-        loss = self.pipe.job.loss(gather(leaves), self.y)
+        loss = loss_of(self.pipe.job, gather(leaves), self.y)
         pairs = [[(o, d) for o, d in zip(tensors(out), tensors(leaf)) if d.requires_grad]
                  for out, leaf in zip(self.outs, leaves)]
         grads = iter(torch.autograd.grad(loss, [d for row in pairs for _, d in row], allow_unused=True))

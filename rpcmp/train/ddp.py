@@ -34,6 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ..core.checkpoint import fill_tied, read_state_file
 from ..plan.materialize import build_whole, tensor_aliases
 from ..errors import JobError, RunAbortedError
+from ..job import loss_of
 from ..errors import WorkerLostError
 from ..core.store import launch_store
 from ..core.served import current
@@ -138,7 +139,7 @@ class DDPEngine:
             sync = contextlib.nullcontext() if last and self.checked else self.model.no_sync()
             with sync, self._autocast():
                 out = self.model(to_device(x, self.device))
-                loss = self.job.loss(out, to_device(y, self.device)) / len(group)
+                loss = loss_of(self.job, out, to_device(y, self.device)) / len(group)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach().float()
         if not self.checked:

@@ -246,3 +246,14 @@ def test_a_loss_the_model_computes_itself_is_refused_by_gpipe_and_said_unchecked
         executor.run_step(pipe, "overlap", x, y, 4)
     said = [str(w.message) for w in seen if "0-dimensional" in str(w.message)]
     assert len(said) == 1 and "cannot check that Job.loss is a mean over samples" in said[0], said
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "gpipe"])
+def test_a_loss_that_is_not_one_number_is_refused_saying_so(fake, schedule):
+    """reduction='none': distributed autograd's backward said only ' is not a scalar, all roots need to be scalar'."""
+    x, y = _batch(8)
+    pipe = fake(2)
+    pipe.job.loss = lambda out, y: ((out - y) ** 2).mean(1)
+    with pytest.raises(JobError, match=r"Job.loss must return one number \(a 0-dimensional tensor\), got a tensor of "
+                                       r"shape \((2|8),\): reduce it over the samples"):
+        executor.run_step(pipe, schedule, x, y, 4)
