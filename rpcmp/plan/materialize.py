@@ -323,7 +323,7 @@ def build_part(job, keep: Callable[[str], bool]) -> nn.Module:
             memo[id(t)] = scratch.take(t, fresh=True)
             return memo[id(t)]
         out = deepcopy(t, memo)
-        if not any(keep(n) for n in c.names):  # a kept copy is made from it: its values, until _to_meta
+        if not any(keep(n) for n in c.names):  # a kept copy is made from it, or a temporary: its values, until _to_meta
             scratch.given[id(out)] = out
         return out
 
