@@ -23,6 +23,7 @@ from ..errors import PartitionError
 from .graphs import graphs, place_graph
 from .materialize import meta_model
 from .repeats import outlined_once
+from .points import check_reached, check_stages
 from .strange import cached_modules
 from .traced import SplitAt, from_example
 
@@ -55,9 +56,11 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any):
         raise PartitionError(
             f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
             f"{type(exc).__name__}: {_what_to_do(model, str(exc).strip())}") from None
-    _check_reached(type(model).__name__, split, reached)
+    check_reached(type(model).__name__, split, reached)
+    check_stages(type(model).__name__, split, pipe)
     _back_to_meta(pipe)
     return pipe
+
 
 
 _TABLES = {"_parameters", "_buffers", "_modules"}  # a module's own tables, gone through one by one
@@ -209,21 +212,6 @@ def _reentrant(model: nn.Module) -> bool:
     ``gradient_checkpointing_enable``), which export cannot trace for any batch size (it detaches the batch size)."""
     return any(getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
                for m in model.modules() if getattr(m, "gradient_checkpointing", False))
-
-
-def _check_reached(model: str, split: SplitAt, reached: list) -> None:
-    """Each point is a module forward calls once, and the points are named in the order it calls them: the
-    stages are named after them ("h.1..h.3"), so another order named every stage wrongly."""
-    if not split.points or None in reached or list(reached) == list(split.points):
-        return
-    twice = sorted({p for p in reached if reached.count(p) > 1})
-    never = [p for p in split.points if p not in reached]
-    raise PartitionError(
-        f"SplitAt{split.points}: " + (f"{model}.forward calls {twice} more than once; a split point must be a module "
-                                      f"forward calls once" if twice else
-                                      f"{model}.forward never calls {never}" if never else
-                                      f"{model}.forward reaches the points in the order {tuple(reached)}: name them "
-                                      f"in that order"))
 
 
 def _entries(modules):

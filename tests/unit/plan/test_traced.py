@@ -178,6 +178,16 @@ def test_split_points_are_modules_forward_calls_once_named_in_its_order(points, 
         plan_stages(job, torch.randn(4, 4))
 
 
+@pytest.mark.model
+def test_points_that_leave_a_stage_without_an_operation_are_refused_naming_it():
+    """pipelining makes no module for a stage that computes nothing: 'GraphModule' object has no attribute ..."""
+    job = rpcmp.Job(model=lambda: nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.Linear(4, 2)),
+                    stages=rpcmp.SplitAt("1", "2"), microbatches=2)
+    with pytest.raises(PartitionError, match=r"SplitAt\('1', '2'\): the stage from '1' to '2' holds no operation of "
+                                             r"Sequential.forward .* leave out one of its points"):
+        plan_stages(job, torch.randn(4, 4))
+
+
 class _ByKey(nn.Module):
     def __init__(self):
         super().__init__()

@@ -1,0 +1,35 @@
+"""What a ``SplitAt``'s points must be: modules ``forward`` calls once each, named in the order it calls them,
+with something computed between every two."""
+from __future__ import annotations
+
+from ..errors import PartitionError
+
+__all__ = ["check_reached", "check_stages"]
+
+
+def check_reached(model: str, split, reached: list) -> None:
+    """Each point is a module forward calls once, and the points are named in the order it calls them: the
+    stages are named after them ("h.1..h.3"), so another order named every stage wrongly."""
+    if not split.points or None in reached or list(reached) == list(split.points):
+        return
+    twice = sorted({p for p in reached if reached.count(p) > 1})
+    never = [p for p in split.points if p not in reached]
+    raise PartitionError(
+        f"SplitAt{split.points}: " + (f"{model}.forward calls {twice} more than once; a split point must be a module "
+                                      f"forward calls once" if twice else
+                                      f"{model}.forward never calls {never}" if never else
+                                      f"{model}.forward reaches the points in the order {tuple(reached)}: name them "
+                                      f"in that order"))
+
+
+def check_stages(cls: str, split, pipe) -> None:
+    """Refuse a cut that leaves a stage without an operation (two points around an ``nn.Identity``): pipelining
+    makes no module for it (``'GraphModule' object has no attribute 'submod_pp_1'``)."""
+    bounds = ["the input", *map(repr, split.points), "the output"]
+    for i in range(len(split.points) + 1):
+        try:
+            pipe.get_stage_module(i)
+        except AttributeError:
+            raise PartitionError(f"SplitAt{split.points}: the stage from {bounds[i]} to {bounds[i + 1]} holds no "
+                                 f"operation of {cls}.forward (a module that computes nothing, nn.Identity, or two "
+                                 f"points at one place): leave out one of its points") from None
