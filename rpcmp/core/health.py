@@ -147,13 +147,16 @@ def reason(exc: BaseException) -> str:
     return (str(exc).splitlines() or [""])[0].split(" (this error originated")[0][:100]
 
 
+_CLOSED = re.compile(r"EOF|ECONNRESET|EPIPE|[Cc]onnection (reset|closed|refused)|[Bb]roken pipe")  # a lost peer's words
+
+
 def loss_cause(error: BaseException, gone: str | None) -> str:
     """What a recovery line says ended the step that lost ``gone``: one wording for a closed connection, whichever
     call saw it first (the watch call's WorkerLostError, or a transport error from a call in flight)."""
     text = reason(error)
     if isinstance(error, WorkerLostError) or gone is None:
         return text
-    if re.search(r"EOF|ECONNRESET|[Cc]onnection (reset|closed|refused)|[Bb]roken pipe", text):
+    if _CLOSED.search(text):
         return f"the connection to {gone} closed ({text})"
     return f"{type(error).__name__}: {text}"
 
@@ -181,7 +184,8 @@ def explain(exc: BaseException, processes, status: RunStatus, timeout: float = 3
     ``status`` says the run was doing."""
     if isinstance(exc, StageError) and not isinstance(exc, WorkerLostError):
         exc.step = status.step  # shown after the stage's traceback (rpcmp.cli.commands.report)
-        return exc
+        if not _CLOSED.search(str(exc)):  # else a neighbour's loss, which the lost one's name says better
+            return exc
     try:
         lost = unresponsive([p for p in processes if p != rpc.get_worker_info().name], timeout)
     except Exception:  # noqa: BLE001 - the agent itself may be going down

@@ -19,7 +19,7 @@ from . import inbox
 from ..core.microbatch import batch_size, gather, has_tensors, map_tensors, scatter, tensors
 from ..plan.schedule import Loss, Plan, make_plan
 from ..plan.lengths import check_sizes
-from ..errors import JobError, StepCancelled
+from ..errors import JobError, StepCancelled, WorkerLostError
 from ..job import loss_of
 
 __all__ = ["run_step", "check_mean_loss", "Steppable"]
@@ -147,9 +147,10 @@ class _MicroBatches:
         if self.errors:
             inbox.abandon(pipe.pid, self.seqs)
             pipe.resync()
-            # the first micro-batch's failure, whichever thread saw one first; not one the failure cancelled
+            # the first micro-batch's failure, whichever thread saw one first; not one the failure cancelled; a lost
+            # owner before what its loss made others fail with (a neighbour's backward: "EPIPE: broken pipe")
             real = [e for e in self.errors if not isinstance(e[1], StepCancelled)] or self.errors
-            raise min(real, key=lambda e: e[0])[1]
+            raise min([e for e in real if isinstance(e[1], WorkerLostError)] or real, key=lambda e: e[0])[1]
         total = self._total()
         if self.outs is not None and not self.gathered:
             check_mean_loss(pipe, self.outs, self.ys, [batch_size(x) / self.n for x in self.xs], self.y, total)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rpcmp.errors import JobError, StepCancelled
+from rpcmp.errors import JobError, StepCancelled, WorkerLostError
 from rpcmp.master import executor, inbox
 from rpcmp.master.executor import check_mean_loss
 from rpcmp.master.sync import LocalMerge
@@ -45,7 +45,7 @@ class FakePipe:
         self.sync, self.seq, self.abandoned, self.resyncs = _Recorder(self.events), 0, [], 0
         self.in_flight = self.most_in_flight = 0
         self.local = threading.local()
-        self.delays, self.cancelled = delays or {}, set()
+        self.delays, self.cancelled, self.lost = delays or {}, set(), set()
         self.grad, self.outs, self.grads, self.output = grad, {}, {}, output  # grad: outputs are leaves; backward records their gradient
 
     def cancel(self, seqs):
@@ -69,7 +69,9 @@ class FakePipe:
         fut = torch.futures.Future()
 
         def answer():
-            if i in self.fail:
+            if i in self.lost:  # its owner died: the watch call says so
+                fut.set_exception(WorkerLostError("the connection to second closed (EOF: end of file)"))
+            elif i in self.fail:
                 fut.set_exception(RuntimeError(f"stage 1 failed on micro-batch {i}"))
             elif i in self.cancelled:
                 fut.set_exception(StepCancelled(f"stage 1: micro-batch {i} not run, its step failed elsewhere"))
@@ -167,6 +169,15 @@ def test_a_failed_micro_batch_raises_the_first_failure_and_steps_nothing(fake, s
     pipe.events.clear()
     executor.run_step(pipe, schedule, x, y, 4)  # the next step runs whole
     assert [e[0] for e in pipe.events].count("step") == 1
+
+
+def test_a_lost_owner_is_the_failure_reported_before_what_its_loss_made_others_fail_with(fake):
+    # micro-batch 0 failed with what the loss did to a neighbour (its backward: EPIPE), 2 with the loss itself
+    pipe = fake(2, fail={0})
+    pipe.lost = {2}
+    x, y = _batch(8)
+    with pytest.raises(WorkerLostError, match="the connection to second closed"):
+        executor.run_step(pipe, "overlap", x, y, 4)
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "1f1b", "gpipe"])

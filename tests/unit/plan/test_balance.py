@@ -31,8 +31,11 @@ def test_balance_by_params_puts_the_big_layer_alone():
 
 
 def test_balance_by_time_follows_cost():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 512), nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 8))
-    sizes = balance_by_time(model, 2, torch.randn(64, 8))
+    # the heavy layers (about 1.6 GFLOP each, forward and backward) far above what a busy machine's preemption
+    # adds to a cheap one's time (512 x 512 on 64 rows: once the cheap layer measured the heavier, under load)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1024),
+                          nn.Linear(1024, 8))
+    sizes = balance_by_time(model, 2, torch.randn(256, 8), repeats=5)
     assert sum(sizes) == 5 and len(sizes) == 2
     assert sizes[0] >= 2  # the two cheap layers never form a stage on their own with a heavy one left over
     assert all(p.grad is None for p in model.parameters())
