@@ -14,11 +14,14 @@ and the model must return the last child's output. Anything else is refused with
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
+from torch.export.graph_signature import ConstantArgument
 
 from ..errors import PartitionError
 
@@ -76,7 +79,7 @@ def check_chain(model: nn.Module, chain: list[str], sample: Any) -> None:
     if returned != {chain[-1]}:
         raise PartitionError(f"{cls}.forward returns {sorted(map(str, returned))}, not only the output of "
                              f"{chain[-1]!r}. {_FIX}")
-    _whole_outputs(program, chain, cls)
+    _whole_outputs(model, program, chain, cls)
 
 
 def _export(model: nn.Module, sample: Any, chain: list[str]):
@@ -87,29 +90,54 @@ def _export(model: nn.Module, sample: Any, chain: list[str]):
         return torch.export.export(model, (sample,), strict=False)
 
 
-def _whole_outputs(program, chain: list[str], cls: str) -> None:
+def _whole_outputs(model: nn.Module, program, chain: list[str], cls: str) -> None:
     """Refuse a ``forward`` that hands a child a part of the one before's output (``self.head(self.rnn(x)[0])``,
-    ``.last_hidden_state``), or takes a part of the model's input or of the last child's output: picking an element
-    is no operation in the graph, but the chain hands each child the whole output of the one before, and the
-    model's input to the first."""
+    ``.last_hidden_state``) or more than it (another argument than its default), or takes a part of the model's
+    input or of the last child's output: picking an element is no operation in the graph, but the chain hands each
+    child the whole output of the one before, and the model's input to the first."""
     calls = {e.fqn: e.signature for e in program.module_call_graph if e.signature is not None}
     root = calls.get("")
-    inputs = root.in_spec.children_specs[0].children_specs if root else []
-    pairs = [("the model's input", inputs[0] if len(inputs) == 1 else None, chain[0])]
+    inputs = root.in_spec.children()[0] if root else None  # the model is called with the sample alone
+    pairs = [("the model's input", inputs.children()[0] if inputs is not None and inputs.num_children == 1 else None, chain[0])]
     pairs += [(f"the output of {a!r}", calls[a].out_spec if a in calls else None, b) for a, b in zip(chain, chain[1:])]
     for what, given, child in pairs:
         if given is None or child not in calls:
             continue
-        args, kwargs = calls[child].in_spec.children_specs
-        handed = args.children_specs + kwargs.children_specs  # by position or by keyword, one argument
-        if handed != [given]:
-            got = _spec(handed[0]) if len(handed) == 1 else f"{len(handed)} arguments"
+        handed = _handed(calls[child], model.get_submodule(child))
+        if handed is not None and len(handed) != 1 or pytree.tree_structure(handed[0][1]) != given:
+            got = _spec(pytree.tree_structure(handed[0][1])) if len(handed) == 1 else \
+                f"{len(handed)} arguments ({', '.join(n for n, _ in handed)})"
             raise PartitionError(f"{cls}.forward calls {child!r} with {got}, not with {what} whole ({_spec(given)}): a "
                                  f"part of it (`out[0]`, `out.last_hidden_state`) or more; a chain of children hands "
                                  f"each child the whole output of the one before. {_FIX}")
     if root is not None and chain[-1] in calls and root.out_spec != calls[chain[-1]].out_spec:
         raise PartitionError(f"{cls}.forward returns {_spec(root.out_spec)}, not the output of {chain[-1]!r} whole "
                              f"({_spec(calls[chain[-1]].out_spec)}). {_FIX}")
+
+
+def _handed(signature, module: nn.Module) -> list[tuple[str, Any]] | None:
+    """The arguments a call of ``module`` was handed (by position or keyword; export's argument records as leaves)
+    but those equal to their parameter's default (``mask=None``), which the chain's call hands it as well; None
+    where export kept no record of them."""
+    if len(signature.inputs) != signature.in_spec.num_leaves:
+        return None
+    args, kwargs = pytree.tree_unflatten(signature.inputs, signature.in_spec)
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params] + [f"argument {k}" for k in range(len(params), len(args))]
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return [(n, v) for n, v in [*zip(names, args), *kwargs.items()] if not _default(v, defaults, n)]
+
+
+def _default(value: Any, defaults: dict, name: str) -> bool:
+    if not isinstance(value, ConstantArgument) or name not in defaults:
+        return False
+    try:
+        return value.value is defaults[name] or bool(value.value == defaults[name])
+    except Exception:  # noqa: BLE001 - values that do not compare
+        return False
 
 
 def _spec(spec) -> str:

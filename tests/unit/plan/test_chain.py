@@ -78,9 +78,28 @@ class ByKeyword(Chain):
         return self.b(input=self.a(x))
 
 
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x, mask=None, scale=1.0):
+        return self.lin(x) * scale
+
+
+class WithDefaults(nn.Module):  # a child handed its defaults as well: the chain's call hands it the same
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(16, 16), Scaled(), scale
+
+    def forward(self, x):
+        return self.b(self.a(x), mask=None, scale=self.scale)
+
+
 def test_a_chain_that_is_forward_is_accepted():
     assert [s.name for s in _plan(Chain, ["a", "b"])] == ["a", "b"]
     assert len(_plan(ByKeyword, ["a", "b"])) == 2  # the output before handed whole, by keyword
+    assert len(_plan(WithDefaults, ["a", "b"])) == 2  # and arguments equal to their defaults
     unet = lambda: smp.Unet("resnet18", encoder_weights=None, in_channels=1, classes=1)  # noqa: E731
     assert len(_plan(unet, ["encoder", ["decoder", "segmentation_head"]], torch.randn(2, 1, 64, 64))) == 2
     seq = lambda: nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))  # noqa: E731
@@ -105,6 +124,8 @@ def test_a_child_handed_a_part_of_the_output_before_is_refused():
         _plan(Recurrent, ["emb", "rnn", "head"], x)
     with pytest.raises(PartitionError, match=r"Recurrent.forward returns a tensor, not the output of 'rnn' whole"):
         _plan(lambda: Recurrent(last=True), ["emb", "rnn"], x)
+    with pytest.raises(PartitionError, match=r"WithDefaults.forward calls 'b' with 2 arguments \(x, scale\)"):
+        _plan(lambda: WithDefaults(scale=2.0), ["a", "b"])  # more than the output before: a chain would leave it out
 
 
 def test_a_model_that_cannot_be_traced_is_refused_with_the_fix():
