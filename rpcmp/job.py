@@ -187,7 +187,7 @@ def loss_of(job, out: Any, y: Any) -> torch.Tensor:
     """``job.loss(out, y)``, refused unless it is one number (what every backward starts from)."""
     value = job.loss(out, y)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.reshape(())
+        return value if value.dim() == 0 else value.reshape(())  # a view (another graph node) only where needed
     got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
     raise JobError(f"Job.loss must return one number (a 0-dimensional tensor), got {got}: reduce it over the "
                    f"samples (reduction='mean')")
