@@ -51,6 +51,9 @@ class Job:
     metric_name: str = "metric"
     optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.01})
     scheduler: tuple[type, dict] | None = None  # (torch.optim.lr_scheduler.<Class>, {kwargs}), stepped per step
+    # model -> torch.optim-style groups with settings of their own, e.g. no weight decay on biases and norms:
+    # [{"params": [parameters or names], "weight_decay": 0.0}, ...] (see [Note: parameter groups])
+    param_groups: Callable[[torch.nn.Module], list[dict]] | None = None
     clip_grad_norm: float | None = None  # clip by the global norm over every stage
     batch_size: int = 8
     microbatches: int = 1
@@ -152,6 +155,11 @@ class Job:
         self._check_optionals()
 
     def _check_optionals(self) -> None:
+        if self.param_groups is not None and not callable(self.param_groups):
+            raise JobError(f"Job.param_groups must be None or a function of the model that returns torch.optim's "
+                           f'groups, e.g. lambda model: [{{"params": [p for p in model.parameters() if p.dim() >= 2]}}, '
+                           f'{{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}}], '
+                           f"got {self.param_groups!r}")
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
             raise JobError(f"Job.clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

@@ -61,10 +61,10 @@ def batches(steps: int, size: int = 8, seed: int = 1):
     return [(torch.randn(size, 16, generator=g), torch.randn(size, 8, generator=g)) for _ in range(steps)]
 
 
-def train_reference(model: nn.Module, optimizer: tuple, loss_fn, data) -> tuple[list[float], dict]:
+def train_reference(model: nn.Module, optimizer: tuple, loss_fn, data, groups=None) -> tuple[list[float], dict]:
     """The same training in one process with plain PyTorch: the yardstick of transparency."""
     cls, kwargs = optimizer
-    opt = cls(model.parameters(), **kwargs)
+    opt = cls(torch_groups(model, groups) if groups else model.parameters(), **kwargs)
     losses = []
     for x, y in data:
         opt.zero_grad()
@@ -73,6 +73,28 @@ def train_reference(model: nn.Module, optimizer: tuple, loss_fn, data) -> tuple[
         opt.step()
         losses.append(loss.item())
     return losses, model.state_dict()
+
+
+def no_decay(model: nn.Module) -> list[dict]:
+    """``Job.param_groups`` as nanoGPT's configure_optimizers: no weight decay, and here a learning rate of
+    its own, off every parameter that is not a matrix (given by name, where the first group gives tensors)."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+            {"params": [n for n, p in model.named_parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 0.03}]
+
+
+def lm_no_decay(model: nn.Module) -> list[dict]:
+    """``Job.param_groups`` as Hugging Face's Trainer builds them: no weight decay on biases and norm weights."""
+    kept = {f"{m}.{n}" if m else n for m, module in model.named_modules() if "norm" in type(module).__name__.lower()
+            for n, _ in module.named_parameters(recurse=False)}
+    rest = [n for n, _ in model.named_parameters() if n in kept or n.endswith("bias")]
+    return [{"params": [n for n, _ in model.named_parameters() if n not in rest]},
+            {"params": rest, "weight_decay": 0.0}]
+
+
+def torch_groups(model: nn.Module, groups=no_decay) -> list[dict]:
+    """``groups(model)`` as torch.optim takes them: parameters, not names."""
+    named = dict(model.named_parameters())
+    return [{**g, "params": [named[p] if isinstance(p, str) else p for p in g["params"]]} for g in groups(model)]
 
 
 def metric_steps(path) -> int:

@@ -178,11 +178,12 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
     """Print how JOB_FILE is cut into stages and placed, and its schedule's plan, without starting any process."""
     from ..job import load_job
     from ..core.microbatch import tensors
-    from ..plan.partition import build_stage, has_batch_state, plan_stages
+    from ..plan.partition import build_stage, cached_meta, has_batch_state, plan_stages
     from ..plan.traced import stage_flow
     from ..plan.topology import Topology
     from ..data import first_batch, needs_sample
     from ..core.microbatch import scatter
+    from ..core.groups import plan_groups
     job = load_job(job_file, overrides=overrides)
     batch = first_batch(job)
     specs = plan_stages(job, batch if needs_sample(job) else None)
@@ -217,6 +218,8 @@ def plan(job_file, world_size, nproc_per_node, check, overrides):
         Console(width=max(console.width, 140)).print(_grid_table(job, specs, grid, nodes))
     Console(width=max(console.width, 140)).print(_schedule_table(job, len(specs), bn and job.batchnorm == "batch",
                                                                 specs[0]))
+    if job.param_groups is not None:
+        console.print(f"optimizer: {cls.__name__} over {plan_groups(job, cached_meta(job)).describe()}")
     if topology.spares:
         console.print(f"spares: {', '.join(topology.spares)} (hold no stage; each takes over the stage of a lost owner)")
     for line in _model_notes(specs):

@@ -74,10 +74,11 @@ from ..data import needs_sample, sample_batch
 from .executor import run_step
 from .sync import LocalMerge
 from ..core.futures import call_each, raise_failures, wait_all
+from ..core.groups import Grouped, plan_groups
 from ..core.hparams import StageFields
 from ..plan.schedule import SCHEDULES
 from ..core.microbatch import batch_size, gather, map_tensors, scatter
-from ..plan.partition import StageSpec, plan_stages
+from ..plan.partition import StageSpec, cached_meta, plan_stages
 from ..plan.placement import Place, process_name, resolve_placement
 from ..plan.topology import stage_world
 from ..core.policy import GradientPolicy, NonFinite
@@ -101,6 +102,7 @@ class Pipeline(PipelineState):
         if self.schedule not in SCHEDULES:
             raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         self.specs: list[StageSpec] = specs or self.plan(job, sample)
+        self.groups = plan_groups(job, cached_meta(job)) if job.param_groups is not None else None
         holding = stage_world(job, world_size)
         self.places: list[Place] = list(places or resolve_placement(job.placement, len(self.specs), holding,
                                                                     world_size - holding))
@@ -138,13 +140,16 @@ class Pipeline(PipelineState):
             self.init_from(job.init_from)
         # See [Note: BatchNorm and micro-batches].
         self.whole_batch_bn = job.batchnorm == "batch" and any(bn for _, bn, _ in built)
-        cls, kwargs = self.optimizer_spec = optimizer or job.optimizer
-        self.optimizer = move.distributed_optimizer(cls, self.param_rrefs, **kwargs) if self.param_rrefs else None
+        cls, kwargs = optimizer or job.optimizer
+        local = Grouped(cls, self.groups) if self.groups is not None else cls  # see [Note: parameter groups]
+        self.optimizer_spec = (local, kwargs)  # what a local optimizer built later is built with (rpcmp.master.move)
+        self.optimizer = move.distributed_optimizer(local, self.param_rrefs, **kwargs) if self.param_rrefs else None
         move.register_optimizers(self)
         self.param_owners = sorted({r.owner().name for r in self.param_rrefs})
         self.nonfinite = NonFinite(job.nonfinite)
         self.gradients = GradientPolicy(job.precision == "fp16", job.clip_grad_norm)
-        self.fields = StageFields((cls, kwargs), job.scheduler, self._write_fields)  # see [Note: schedulers in pipeline mode]
+        # see [Note: schedulers in pipeline mode]
+        self.fields = StageFields((cls, kwargs), job.scheduler, self._write_fields, self.groups)
         self.loss_checked = False  # see executor.check_mean_loss
         self._threads = ThreadPoolExecutor(max(1, self.microbatches * job.accumulate), thread_name_prefix="rpcmp-micro")
 
@@ -287,11 +292,12 @@ class Pipeline(PipelineState):
     def load_scheduler_state(self, state: dict) -> None:
         self.fields.load_state(state)
 
-    def _write_fields(self, changed: dict[str, Any]) -> None:
+    def _write_fields(self, changed: dict[int, dict[str, Any]]) -> None:
         wait_all([rpc.rpc_async(r.owner(), stage.set_fields, args=(r, changed)) for r in self._remote_optimizers])
 
-    def set_hparams(self, fields: dict[str, Any]) -> None:
-        """Set optimizer fields (``lr``, ``momentum``, ``betas``, ...) on every stage's optimizer."""
+    def set_hparams(self, fields: dict) -> None:
+        """Set optimizer fields (``lr``, ``momentum``, ``betas``, ...) on every stage's optimizer: one dict for
+        every parameter group, or one per group index (``{1: {"lr": 0.0}}``)."""
         self.fields.set(fields)
 
     @property
@@ -299,13 +305,13 @@ class Pipeline(PipelineState):
         """The learning rate the stages' optimizers use next."""
         return self.fields.lr
 
-    def hparams(self) -> list[dict[str, Any]]:
-        """The fields each owner's optimizer will use at its next step (for checks and logs)."""
+    def hparams(self) -> list[dict[int, dict[str, Any]]]:
+        """The fields each owner's optimizer will use at its next step, by parameter group (for checks and logs)."""
         return wait_all([rpc.rpc_async(r.owner(), stage.get_fields, args=(r,)) for r in self._remote_optimizers])
 
     def learning_rates(self) -> list[float]:
-        """The learning rate each owner's optimizer will use next."""
-        return [f["lr"] for f in self.hparams()]
+        """The learning rate each owner's optimizer will use next (in the first parameter group it holds)."""
+        return [f[min(f)]["lr"] for f in self.hparams()]
 
     def _finite(self, loss: torch.Tensor) -> bool:
         return self.nonfinite.allows(loss)

@@ -137,7 +137,7 @@ def gather_stage(pid: int, index: int, old_pid: int, sources: dict[str, list[int
             for kind in ("params", "buffers"):
                 found[kind].update({part["prefix"] + n: t for n, t in part[kind].items()})
             found["optimizer"].update(part["optimizer"])
-            got["fields"] = got["fields"] or part["fields"]
+            got["fields"] = {**part["fields"], **got["fields"]}  # per group (see [Note: parameter groups])
             got["training"] = part["training"]
     for kind in ("params", "buffers", "optimizer"):  # by its own name, else by another name of the same tensor
         mine = keep["params" if kind == "optimizer" else kind]
@@ -258,7 +258,7 @@ def adopt_optimizer(pid: int, new_rref, old_rref) -> int:
         states, moved_fields = moved
         if states is not None:  # None: in place already (fill_stage)
             _take_states(host, new.state, states, copy=False)
-        fields = fields or moved_fields
+        fields = {**moved_fields, **(fields or {})}  # per group: a moved stage may bring groups new here
         host.moved_optimizer = None
     if fields:
         apply_fields(new, fields)

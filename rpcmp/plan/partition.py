@@ -41,7 +41,7 @@ from .lengths import input_sizes, require_any_length
 from .writes import has_batch_state, meta_findings, traced_writes
 from ..errors import PartitionError
 
-__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "replan", "build_stage", "build_empty", "warm_trace", "declaration_kind",
+__all__ = ["Split", "SplitAt", "StageSpec", "plan_stages", "cached_meta", "replan", "build_stage", "build_empty", "warm_trace", "declaration_kind",
            "has_batch_state"]
 
 
@@ -198,7 +198,7 @@ def build_stage(job, spec: StageSpec, meta: bool = False, device: torch.device |
     if spec.kind == "traced":  # see [Note: split points on the traced model]
         return _build_traced(job, spec, meta, device)
     if meta and spec.kind != "modules":
-        return copy.deepcopy(_pick(job, spec, _meta(job)))  # a part of the one this process keeps
+        return copy.deepcopy(_pick(job, spec, cached_meta(job)))  # a part of the one this process keeps
     if spec.kind == "modules":
         torch.manual_seed(job.seed)
         item = job.stages[spec.index]
@@ -231,10 +231,10 @@ def warm_trace(job, spec: StageSpec) -> None:
     if spec.kind == "traced":
         traces(_as_cut(job, spec), spec.example, eval_too=not spec.one_graph)
     elif spec.kind in ("names", "slice"):
-        _meta(job)
+        cached_meta(job)
 
 
-def _meta(job) -> nn.Module:
+def cached_meta(job) -> nn.Module:
     """``meta_model(job)``, once per process for a model factory and seed (the last 4); callers copy what they change."""
     key = (id(job.model), job.seed)
     entry = _METAS.get(key)
@@ -297,7 +297,7 @@ def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device
     return stage
 
 
-_METAS: OrderedDict = OrderedDict()  # the last few meta models of this process (see _meta)
+_METAS: OrderedDict = OrderedDict()  # the last few meta models of this process (see cached_meta)
 
 
 def _on_meta(sample: Any) -> Any:

@@ -39,6 +39,7 @@ from ..errors import WorkerLostError
 from ..core.store import launch_store
 from ..core.served import current
 from ..owner.state import rng_state as process_rng_state, set_rng_state as set_process_rng_state
+from ..core.groups import plan_groups
 from ..core.hparams import load_scheduler_state, scheduler_state
 from ..core.microbatch import batch_size, to_device
 from ..core.policy import NonFinite
@@ -110,7 +111,8 @@ class DDPEngine:
         self.model = self._wrap(find_unused=False)
         self.checked = False  # whether the first step looked for parameters without a gradient
         cls, kwargs = job.optimizer
-        self.optimizer = cls(self.model.parameters(), **kwargs)
+        groups = plan_groups(job, self.module)  # see [Note: parameter groups]
+        self.optimizer = cls(groups.split(self.module.named_parameters()) if groups else self.model.parameters(), **kwargs)
         self.scheduler = job.scheduler[0](self.optimizer, **job.scheduler[1]) if job.scheduler else None
         if job.precision == "fp16" and self.device.type != "cuda":
             raise JobError("precision='fp16' needs a GPU (loss scaling); use precision='bf16' on the CPU")

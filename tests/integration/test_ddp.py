@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from helpers import assert_close_f32, load, run_ranks
+from helpers import assert_close_f32, load, no_decay, run_ranks, torch_groups
 from rpcmp.core.checkpoint import load_checkpoint
 from rpcmp.train.trainer import fit
 
@@ -19,14 +19,14 @@ def _fit(job, world_size):
     return fit(job, world_size)
 
 
-def _reference(steps, per_rank, accumulate, world=2, name="mlp", optimizer=SGD):
+def _reference(steps, per_rank, accumulate, world=2, name="mlp", optimizer=SGD, groups=None):
     """One process, batch world x per_rank x accumulate, the samples DDP's ranks read."""
     job = load(name)
     train, heldout = job.data()
     per_rank_batches = [list(BatchSampler(_sampler(train, world, r), per_rank, drop_last=True)) for r in range(world)]
     torch.manual_seed(job.seed)
     model = job.model()
-    opt = optimizer[0](model.parameters(), **optimizer[1])
+    opt = optimizer[0](torch_groups(model, groups) if groups else model.parameters(), **optimizer[1])
     losses = []
     for s in range(steps):
         idx = [i for r in range(world) for b in per_rank_batches[r][s * accumulate:(s + 1) * accumulate] for i in b]
@@ -47,11 +47,12 @@ def _sampler(train, world, rank):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_ddp_two_ranks_equals_one_process_with_twice_the_batch(tmp_path, accumulate):
+@pytest.mark.parametrize("accumulate,groups", [(1, None), (2, no_decay)], ids=["one-group", "accumulate-groups"])
+def test_ddp_two_ranks_equals_one_process_with_twice_the_batch(tmp_path, accumulate, groups):
+    optimizer = SGD if groups is None else (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.05})
     result = run_ranks("mlp", 2, _fit, {"mode": "ddp", "batch_size": 8, "accumulate": accumulate, "max_steps": 3,
-                                         "optimizer": SGD, "checkpoint_dir": str(tmp_path)})
-    ref_state, ref_losses, ref_metric = _reference(3, 4, accumulate)
+                                         "optimizer": optimizer, "param_groups": groups, "checkpoint_dir": str(tmp_path)})
+    ref_state, ref_losses, ref_metric = _reference(3, 4, accumulate, optimizer=optimizer, groups=groups)
     ckpt = load_checkpoint(str(tmp_path))
     assert ckpt["mode"] == "ddp" and ckpt["step"] == 3
     assert_close_f32(ckpt["model"], ref_state)

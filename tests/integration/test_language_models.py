@@ -3,7 +3,8 @@
 Hugging Face GPT-2 (its head tied to its token embedding, across stages), Hugging Face Llama
 (RoPE's non-persistent ``inv_freq``, RMSNorm, grouped-query attention) and a nanoGPT-style
 decoder (positions made in ``forward``, causal attention, head tied to the embedding), each
-in 3 stages on 3 real processes: losses, parameters and keys after 3 steps, eval-mode
+in 3 stages on 3 real processes, AdamW with weight decay kept off biases and norms (parameter
+groups): losses, parameters and keys after 3 steps, eval-mode
 predictions, batches whose sequence length changes from step to step (and the pipeline re-cut
 between two of them: ``pipe.recut``), and a run's checkpoint exported to the plain model (a tied
 pair one parameter again).
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, load, run_ranks, train_reference
+from helpers import assert_close_f32, lm_no_decay, load, run_ranks, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -57,13 +58,15 @@ def _train(job, world_size, folder):
     from rpcmp.train.trainer import fit
     data, out = _batches(job), {}
     specs = rpcmp.Pipeline.plan(job)  # traced once on the master; each pipeline's owners build from it
+    grouped = dataclasses.replace(job, param_groups=lm_no_decay)  # AdamW keeps weight decay off biases and norms
     for opt, sched, m in CASES:
-        pipe = rpcmp.Pipeline(job, world_size, microbatches=m, optimizer=OPTIMIZERS[opt], schedule=sched, specs=specs)
+        pipe = rpcmp.Pipeline(grouped if opt == "adamw" else job, world_size, microbatches=m, optimizer=OPTIMIZERS[opt],
+                              schedule=sched, specs=specs)
         losses = [pipe.train_step(x, y).item() for x, y in data]
         pipe.eval()
         out[(opt, sched, m)] = (losses, pipe.state_dict(), pipe.predict(data[0][0]))
         pipe.close()
-    pipe = rpcmp.Pipeline(job, world_size, optimizer=OPTIMIZERS["adamw"], specs=specs)
+    pipe = rpcmp.Pipeline(grouped, world_size, optimizer=OPTIMIZERS["adamw"], specs=specs)
     moved = (job.stages.points[0].rsplit(".", 1)[0] + ".2", *job.stages.points[1:])  # blocks 1 | 2, 3 -> 1, 2 | 3
     losses = []
     for step, (x, y) in enumerate(_ragged()):
@@ -90,7 +93,8 @@ def _reference(job, optimizer, data):
     try:
         torch.manual_seed(job.seed)
         model = job.model()
-        losses, state = train_reference(model, optimizer, job.loss, data)
+        groups = lm_no_decay if optimizer is OPTIMIZERS["adamw"] else None
+        losses, state = train_reference(model, optimizer, job.loss, data, groups)
         model.eval()
         with torch.no_grad():
             return losses, state, model(data[0][0]), model

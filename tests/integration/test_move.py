@@ -15,13 +15,15 @@ import torch.distributed.rpc as rpc
 
 import rpcmp
 from rpcmp.errors import JobError, PlacementError
-from helpers import Control, run_ranks
+from helpers import Control, no_decay, run_ranks
 from rpcmp.core.served import current
 from rpcmp.owner import state as stage_state
 
 pytestmark = pytest.mark.integration
-OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-              "adam": (torch.optim.Adam, {"lr": 1e-2})}
+OPTIMIZERS = {"sgd-momentum": {"optimizer": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})},
+              # parameter groups: each moved stage's optimizer keeps its parameters' groups
+              "adam-groups": {"optimizer": (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}),
+                              "param_groups": no_decay}}
 STEPS, MOVE_AT = 6, 3
 
 
@@ -49,7 +51,7 @@ def _runs(job, world_size: int, stage_to_move: int):
     for name, optimizer in OPTIMIZERS.items():
         for move in (False, True):
             _same_rng(world_size)
-            pipe = rpcmp.Pipeline(dataclasses.replace(job, optimizer=optimizer), world_size)
+            pipe = rpcmp.Pipeline(dataclasses.replace(job, **optimizer), world_size)
             old = pipe.owners[stage_to_move]
             assert spare not in pipe.owners
             losses, took = [], None

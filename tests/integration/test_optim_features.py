@@ -114,7 +114,7 @@ def test_every_field_a_scheduler_sets_reaches_every_stage_before_the_step_that_u
         assert len(got) == 3  # one optimizer per stage owner
         for owner in got:
             for key, value in want.items():
-                assert owner[key] == pytest.approx(value), (name, key, fields, ref_fields)
+                assert owner[0][key] == pytest.approx(value), (name, key, fields, ref_fields)
     if name.startswith("onecycle"):  # momentum / betas really cycled
         key = "momentum" if "momentum" in ref_fields[0] else "betas"
         assert ref_fields[0][key] != ref_fields[2][key]

@@ -70,3 +70,18 @@ def test_the_command_line_modules_import_no_torch():
     code = "import sys, rpcmp.cli.commands; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+@pytest.mark.parametrize("groups,said", [
+    ('[{"params": [p for p in m.parameters() if p.dim() >= 2]}, '
+     '{"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}]',
+     "optimizer: SGD over 2 parameter groups: 4 tensors, 2,816 values; 6 tensors, 168 values (weight_decay=0.0)"),
+    ('[{"params": [m[0].weight]}]', "9 parameters are in no group (0.bias, 1.weight, 1.bias, 3.weight, 3.bias, ...)"),
+], ids=["groups", "a-parameter-in-none"])
+def test_plan_prints_the_parameter_groups_or_what_is_wrong_with_them(tmp_path, groups, said):
+    job = tmp_path / "grouped.py"
+    job.write_text(open(os.path.join(JOBS, "mlp.py")).read() +
+                   f"\nimport dataclasses\njob = dataclasses.replace(job, param_groups=lambda m: {groups})\n")
+    result = CliRunner().invoke(main, ["plan", str(job)], terminal_width=250)
+    assert said in " ".join(result.output.split()), result.output
+    assert result.exit_code == (0 if "optimizer" in said else 2), result.output

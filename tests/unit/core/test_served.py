@@ -54,12 +54,12 @@ def test_stage_fields_send_what_the_scheduler_sets_and_only_what_changed():
                          (torch.optim.lr_scheduler.OneCycleLR, {"max_lr": 1.0, "total_steps": 4}), sent.append)
     ref = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
     sched = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=1.0, total_steps=4)
-    assert {"lr", "momentum"} <= set(sent[0]) and fields.lr == ref.param_groups[0]["lr"]  # set at construction
+    assert {"lr", "momentum"} <= set(sent[0][0]) and fields.lr == ref.param_groups[0]["lr"]  # set at construction
     for _ in range(3):
         ref.step()
         sched.step()
         fields.step()
-        assert fields.lr == ref.param_groups[0]["lr"] and fields.sent["momentum"] == ref.param_groups[0]["momentum"]
+        assert fields.lr == ref.param_groups[0]["lr"] and fields.sent[0]["momentum"] == ref.param_groups[0]["momentum"]
     count = len(sent)
     fields.set({"lr": fields.lr})  # unchanged: nothing travels
     assert len(sent) == count
@@ -75,7 +75,7 @@ def test_without_a_scheduler_stage_fields_send_only_what_is_set_by_hand():
     fields.step()
     assert sent == [] and fields.lr == 0.1
     fields.set({"lr": 0.05, "momentum": 0.0})
-    assert sent == [{"lr": 0.05, "momentum": 0.0}] and fields.lr == 0.05
+    assert sent == [{0: {"lr": 0.05, "momentum": 0.0}}] and fields.lr == 0.05
 
 
 def test_handles_on_a_lost_process_are_kept_and_the_others_let_go():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, batches, load, train_reference
+from helpers import assert_close_f32, batches, load, no_decay, torch_groups, train_reference
 from rpcmp.train.trainer import fit
 from rpcmp.core.served import current, serve
 from rpcmp.owner import reduce
@@ -82,9 +82,13 @@ def test_a_failed_micro_batch_leaves_the_pipeline_ready_for_the_next_step(job):
     pipe.close()
 
 
-def test_a_run_stopped_and_resumed_ends_where_an_uninterrupted_run_ends(job, tmp_path):
+@pytest.mark.parametrize("groups", [False, True], ids=["one-group", "groups-and-a-scheduler"])
+def test_a_run_stopped_and_resumed_ends_where_an_uninterrupted_run_ends(job, tmp_path, groups):
     quiet = rpcmp_console()
     common = dict(epochs=1, checkpoint_every=2, data=job.data)
+    if groups:  # each group's learning rate, as the scheduler last set it, comes back with the checkpoint
+        common.update(param_groups=no_decay, scheduler=_PER_GROUP,
+                      optimizer=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.05}))
     whole = fit(dataclasses.replace(job, max_steps=5, checkpoint_dir=str(tmp_path / "a"), **common), 1, quiet)
     whole_state = _checkpoint_state(tmp_path / "a")
     first = fit(dataclasses.replace(job, max_steps=3, checkpoint_dir=str(tmp_path / "b"), **common), 1, quiet)
@@ -312,6 +316,42 @@ def test_a_parameter_shared_by_two_stages_trains_as_one(job, clip):
     assert_close_f32(losses, ref_losses)
     assert_close_f32(state, model.state_dict())
     torch.testing.assert_close(state["0.weight"], state["2.weight"], rtol=0, atol=0)  # the copies never part
+
+
+_PER_GROUP = (torch.optim.lr_scheduler.LambdaLR, {"lr_lambda": [lambda s: 0.5 ** s, lambda s: 1.0 / (s + 1)]})
+
+
+def test_parameter_groups_train_as_the_unsplit_model_s_optimizer_with_them(job):
+    """Each group keeps its settings on every owner, a tied parameter (read by both stages) its group's, and a
+    scheduler moves each group's learning rate as torch's moves it (see [Note: parameter groups])."""
+    grouped = dataclasses.replace(job, model=_tied_layers, stages=rpcmp.Split([2, 2]), param_groups=no_decay,
+                                  optimizer=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.05}),
+                                  scheduler=_PER_GROUP)
+    serve(grouped)
+    data = batches(3)
+    torch.manual_seed(grouped.seed)
+    model = _tied_layers()
+    opt = torch.optim.SGD(torch_groups(model), lr=0.1, momentum=0.9, weight_decay=0.05)
+    sched = _PER_GROUP[0](opt, **_PER_GROUP[1])
+    ref_losses, ref_lrs = [], []
+    for x, y in data:
+        opt.zero_grad()
+        loss = grouped.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        ref_losses.append(loss.item())
+        ref_lrs.append([g["lr"] for g in opt.param_groups])
+    pipe = rpcmp.Pipeline(grouped, world_size=1, microbatches=2)
+    losses, lrs = [], []
+    for x, y in data:
+        losses.append(pipe.train_step(x, y).item())
+        lrs.append([pipe.hparams()[0][g]["lr"] for g in (0, 1)])
+    state = pipe.state_dict()
+    pipe.close()
+    assert_close_f32(losses, ref_losses)
+    assert lrs == ref_lrs
+    assert_close_f32(state, model.state_dict())
 
 
 @pytest.mark.parametrize("scripts", [False, True], ids=["functional-python", "torch-that-scripts"])

@@ -117,7 +117,7 @@ def test_a_warmed_process_builds_empty_stages_without_constructing_the_model_aga
     assert made == [1]  # the model was made on the meta device once, while warming
     assert {p.device.type for p in [*first.parameters(), *second.parameters()]} == {"cpu"}
     assert first[0].weight is not second[0].weight  # each build its own copy: the kept model stays on meta
-    assert {p.device.type for p in partition._meta(job).parameters()} == {"meta"}
+    assert {p.device.type for p in partition.cached_meta(job).parameters()} == {"meta"}
 
 
 class _Detached(nn.Module):
