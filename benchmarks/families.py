@@ -6,7 +6,8 @@
 For each family: a 4-block model from a tiny config, its batches a dict of ``input_ids`` and a padding
 ``attention_mask``, its loss reading the model's own output (``out.logits``), ``SplitAt`` before blocks 1
 and 3 on 4 processes (the master and three owners), ``schedule="gpipe"`` (the loss, a mean over the tokens
-padding leaves in, is not a mean over samples); one AdamW step, a re-cut before block 2 instead of 1, two
+padding leaves in, is not a mean over samples); one step of AdamW (weight decay off biases and norms, as
+Hugging Face's Trainer groups the parameters), a re-cut before block 2 instead of 1, two
 more steps (an encoder-decoder, its decoder reading the same tokens: cut before block 1 of the encoder and
 of the decoder, re-cut before their blocks 2; ALBERT, whose one layer forward calls at every depth: cut before
 the encoder and the head, re-cut before the head's last layer), then eval-mode predictions. Losses, every parameter and the
@@ -122,8 +123,19 @@ elif isinstance(_BLOCKS, tuple):  # an encoder-decoder: cut before the encoder's
     _CUT, _RECUT = [f"m.{_BLOCKS[0]}.1", f"m.{_BLOCKS[1]}.1"], [f"m.{_BLOCKS[0]}.2", f"m.{_BLOCKS[1]}.2"]
 else:
     _CUT, _RECUT = [f"m.{_BLOCKS}.1", f"m.{_BLOCKS}.3"], [f"m.{_BLOCKS}.2", f"m.{_BLOCKS}.3"]
-job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(*_CUT), batch_size=8, microbatches=4,
-                schedule="gpipe", loss=loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6}), threads=1)
+
+
+def groups(model: nn.Module) -> list[dict]:
+    """Hugging Face Trainer's parameter groups: weight decay on every parameter but biases and norm weights."""
+    kept = {f"{m}.{n}" if m else n for m, module in model.named_modules() if "norm" in type(module).__name__.lower()
+            for n, _ in module.named_parameters(recurse=False)}
+    rest = [n for n, _ in model.named_parameters() if n in kept or n.endswith("bias")]
+    return [{"params": [n for n, _ in model.named_parameters() if n not in rest]}, {"params": rest, "weight_decay": 0.0}]
+
+
+job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(*_CUT), batch_size=8, microbatches=4, schedule="gpipe", loss=loss,
+                optimizer=(torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}), param_groups=groups,
+                threads=1)
 
 
 def _split_run(job, world):
@@ -142,7 +154,9 @@ def _unsplit_run():
     torch.set_num_threads(1)
     torch.manual_seed(job.seed)
     model = Model()
-    opt = torch.optim.AdamW(model.parameters(), **job.optimizer[1])
+    named = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{**g, "params": [named[n] for n in g["params"]]} for g in groups(model)],
+                            **job.optimizer[1])
     losses = []
     for x, y in batches():
         opt.zero_grad()
