@@ -97,7 +97,12 @@ def plan_groups(job, model: nn.Module) -> Groups | None:
             raise JobError(f"Job.param_groups: group {i} must be a dict with 'params' (parameters or their names) "
                            f"and the settings it changes, got {group!r:.200}")
         params = group["params"]
-        for p in [params] if isinstance(params, (torch.Tensor, str)) else list(params):
+        try:
+            params = [params] if isinstance(params, (torch.Tensor, str)) else list(params)
+        except TypeError:
+            raise JobError(f"Job.param_groups: group {i}'s 'params' must be parameters or their names, got a "
+                           f"{type(params).__name__} (for a module's, give module.parameters())") from None
+        for p in params:
             p = _parameter(p, i, by_name, first)
             if group_of.setdefault(id(p), i) != i:
                 raise JobError(f"Job.param_groups: parameter {first[id(p)]} is in group {group_of[id(p)]} and in group "

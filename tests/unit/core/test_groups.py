@@ -52,9 +52,10 @@ def test_groups_become_names_every_name_of_a_tied_parameter_included_and_back_in
     (lambda m: [{"params": _tied().parameters()}], r"not a parameter of the model it was handed"),
     (lambda m: {"params": m.parameters()}, r"must return a non-empty list of groups"),
     (lambda m: [m.parameters()], r"group 0 must be a dict with 'params'"),
+    (lambda m: [{"params": m[1]}, {"params": [m[0].weight, m[2].bias]}], r"got a LayerNorm \(for a module's, give"),
     (lambda m: m.missing, r"param_groups\(model\) failed: AttributeError"),
 ], ids=["in-no-group", "in-two", "unknown-setting", "a-string", "not-a-pair", "misspelt-name", "another-model", "one-dict",
-        "not-a-dict", "raises"])
+        "not-a-dict", "a-module", "raises"])
 def test_a_mistake_in_the_groups_is_refused_saying_what_to_change(groups, match):
     with pytest.raises(JobError, match=match):
         plan_groups(_job(groups), _tied())
