@@ -15,9 +15,12 @@ Where the plan runs the model on the meta device (a ``Split`` or names plan: rpc
 finds such a stage beforehand, and the stage before sends detached from the first step
 (``StageSpec.detached``). Otherwise what it sent before it learnt that (the first step) brought zeros
 back to it, which leaves plain SGD and Adam where no gradient would (their update of zeros is zero)
-but counts as a step for their state and weight decay; and a stage that outputs no floating tensor
-(``argmax`` codes) has nothing to carry its inputs: where the stage before runs in the master's
-process, that first step still waits (a ``SplitAt`` cut there; the plan kinds above find it).
+but counts as a step for their state and weight decay. A stage that outputs no floating tensor
+(``argmax`` codes) has nothing to carry its inputs, and a backward started in the process that sent
+them waits for every send it made: with the stage before in the master's process, the step waited
+forever. Every plan finds such a stage before the first step (a ``SplitAt`` plan from the traced
+graph's output values: :func:`rpcmp.plan.traced.outputs_no_gradient`), and the stage before sends
+detached from the start.
 """
 from __future__ import annotations
 

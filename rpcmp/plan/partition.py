@@ -35,7 +35,7 @@ from .placement import place_unused, shared_params
 from .graphs import forget_trace, place_graph
 from .strange import refuse_strange
 from .export import traces
-from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
+from .traced import (SplitAt, attach_eval, outputs_no_gradient, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
 from .writes import has_batch_state, meta_findings, traced_writes
@@ -126,7 +126,7 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         found = meta_findings(job, sample, ends)
         writes = tuple(dict.fromkeys(specs[0].writes + found.writes))  # a SplitAt's graphs say some
         mixes = specs[0].mixes or found.mixes  # a SplitAt's trace may have said
-        specs = [replace(s, writes=writes, detached=s.index in found.detached, mixes=mixes) for s in specs]
+        specs = [replace(s, writes=writes, detached=s.detached or s.index in found.detached, mixes=mixes) for s in specs]
     if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
         warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
                       "stages uncompiled, with its names (no '_orig_mod.' prefix)", stacklevel=2)
@@ -330,9 +330,11 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
         require_any_length(meta_model(job), example, sizes)
     bn, writes = has_batch_state(model), traced_writes(pipe, model)
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
+    # a stage that outputs no floating tensor takes no gradient of its input: the stage before sends it detached
+    detached = {i - 1 for i in range(1, pipe.num_stages) if outputs_no_gradient(pipe.get_stage_module(i))}
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
                       example=example_of(example), has_bn=bn, writes=writes, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
-                      cut=tuple(job.stages.points), one_graph=one, mixes=mixes)
+                      cut=tuple(job.stages.points), one_graph=one, mixes=mixes, detached=i in detached)
             for i in range(pipe.num_stages)]
 
 

@@ -63,7 +63,8 @@ from torch import nn
 from ..errors import PartitionError
 
 __all__ = ["SplitAt", "stage_module", "graph_copy", "attach_eval",
-           "check_same_cut", "same_graphs", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example"]
+           "check_same_cut", "same_graphs", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example",
+           "outputs_no_gradient"]
 
 
 @dataclass(frozen=True)
@@ -351,3 +352,15 @@ def _signature(pipe) -> tuple:
     return (tuple(tuple(source.get(a.name, ("?",)) for a in c.args) for c in calls),
             tuple(source.get(name, ("?",)) for name in final))
 
+
+def outputs_no_gradient(stage: nn.Module) -> bool:
+    """Whether traced stage ``stage`` outputs no floating tensor (``argmax`` codes, a mask): nothing of its output
+    can carry a gradient back, so the stage before sends its output detached from the first step (see [Note: an
+    input the backward never reaches] in rpcmp/owner/reach.py). False where the graph does not say."""
+    out = next((n for n in stage.graph.nodes if n.op == "output"), None)
+    if out is None:
+        return False
+    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in pytree.tree_leaves(out.args[0])]
+    if any(v is None for v in vals):  # an output the trace kept no value of
+        return False
+    return not any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals)
