@@ -49,6 +49,8 @@ class Groups:
                 continue
             seen.add(id(param))
             if name not in self.of:
+                if not param.requires_grad:  # frozen and in no group (see plan_groups): torch.optim would skip it
+                    continue
                 raise JobError(f"parameter {name} is in none of Job.param_groups' groups (known: {len(self.of)} names)")
             members.setdefault(self.of[name], []).append(param)
         return [{"params": members[g], **self.settings[g], GROUP_KEY: g} for g in sorted(members)]
@@ -76,8 +78,9 @@ class Grouped:
         return self.cls(self.groups.split((names[id(p)], p) for p in params), *args, **kwargs)
 
 
-def plan_groups(job, model: nn.Module) -> Groups | None:
-    """``job.param_groups(model)`` as names, checked; None without groups. See [Note: parameter groups]."""
+def plan_groups(job, model: nn.Module, optimizer: tuple | None = None) -> Groups | None:
+    """``job.param_groups(model)`` as names, checked against ``optimizer`` (default: the job's); None without
+    groups. See [Note: parameter groups]."""
     if job.param_groups is None:
         return None
     try:
@@ -114,7 +117,7 @@ def plan_groups(job, model: nn.Module) -> Groups | None:
                        f"{', ...' if len(missing) > 5 else ''}): the optimizer would never update them. Put them in a "
                        f"group (a last {{'params': rest}} keeps the optimizer's own settings), or set "
                        f"requires_grad=False on the parameters the model keeps frozen")
-    _check_settings(job.optimizer, settings)
+    _check_settings(optimizer or job.optimizer, settings)
     sizes = [[0, 0] for _ in settings]
     for n, p in named:
         if first[id(p)] == n and id(p) in group_of:

@@ -102,7 +102,7 @@ class Pipeline(PipelineState):
         if self.schedule not in SCHEDULES:
             raise JobError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         self.specs: list[StageSpec] = specs or self.plan(job, sample)
-        self.groups = plan_groups(job, cached_meta(job)) if job.param_groups is not None else None
+        self.groups = plan_groups(job, cached_meta(job), optimizer) if job.param_groups is not None else None
         holding = stage_world(job, world_size)
         self.places: list[Place] = list(places or resolve_placement(job.placement, len(self.specs), holding,
                                                                     world_size - holding))

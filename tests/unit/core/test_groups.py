@@ -72,7 +72,11 @@ def test_a_frozen_parameter_may_stay_out_of_every_group():
         model[1].requires_grad_(False)
         return model
     job = dataclasses.replace(_job(lambda m: [{"params": [m[0].weight, m[2].bias]}]), model=frozen)
-    assert plan_groups(job, frozen()).of == {"0.weight": 0, "2.weight": 0, "2.bias": 0}
+    model = frozen()
+    groups = plan_groups(job, model)
+    assert groups.of == {"0.weight": 0, "2.weight": 0, "2.bias": 0}
+    # DDP mode hands its optimizer every parameter of the model, the frozen ones too
+    assert [len(g["params"]) for g in groups.split(model.named_parameters())] == [2]
 
 
 def test_fields_travel_per_group_and_land_on_the_local_groups_by_index():
