@@ -8,21 +8,22 @@ import shutil
 import pytest
 import torch
 
-from helpers import assert_close_f32, batches, run_ranks
+from helpers import assert_close_f32, batches, no_decay, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from rpcmp.train.trainer import fit
 
 pytestmark = pytest.mark.integration
-OPTIMIZERS = {"sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.01})}
+OPTIMIZERS = {"sgd-momentum": {"optimizer": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})},
+              # parameter groups: every copy's optimizers, and DDP's, keep weight decay off biases and norms
+              "adam": {"optimizer": (torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01}), "param_groups": no_decay}}
 
 
 def _pipeline_steps(job, world_size):
     """3 steps of 8 samples with each optimizer; the losses and parameters after them."""
-    import dataclasses
     from rpcmp.train.engine import make_engine
     out = {}
     for name, optimizer in OPTIMIZERS.items():
-        engine = make_engine(dataclasses.replace(job, optimizer=optimizer), world_size)
+        engine = make_engine(dataclasses.replace(job, **optimizer), world_size)
         losses = [engine.pipe.train_step(x, y).item() for x, y in batches(3, size=8)]
         out[name] = (losses, engine.pipe.state_dict())
         out[f"{name} early"] = [st["reduced_early"] for st in engine.pipe.stats()]
@@ -37,12 +38,11 @@ def _pipeline_steps(job, world_size):
 
 def _ddp_steps(job, world_size):
     """The same batches in DDP mode: rank r reads samples r, r + 2, ... of each."""
-    import dataclasses
     import torch.distributed as dist
     from rpcmp.train.ddp import DDPEngine
     out, rank = {}, dist.get_rank()
     for name, optimizer in OPTIMIZERS.items():
-        engine = DDPEngine(dataclasses.replace(job, optimizer=optimizer))
+        engine = DDPEngine(dataclasses.replace(job, **optimizer))
         losses = [engine.train_step([(x[rank::world_size], y[rank::world_size])])[0] for x, y in batches(3, size=8)]
         out[name] = (losses, {k: v.detach().clone() for k, v in engine.module.state_dict().items()})
     return out
@@ -65,15 +65,14 @@ def test_two_replicas_of_two_stages_train_as_one_pipeline_and_as_ddp_on_two_rank
 
 def _copies_steps(job, world_size):
     """3 steps with Adam; each copy's state after them (one copy: the pipeline's)."""
-    import dataclasses
     from rpcmp.train.engine import make_engine
-    pipe = make_engine(dataclasses.replace(job, optimizer=OPTIMIZERS["adam"]), world_size).pipe
+    pipe = make_engine(dataclasses.replace(job, **OPTIMIZERS["adam"]), world_size).pipe
     losses = [pipe.train_step(x, y).item() for x, y in batches(3, size=8)]
     return losses, [p.state_dict() for p in getattr(pipe, "pipes", [pipe])]
 
 
 def _ddp_adam(job, world_size):
-    return _ddp_steps(dataclasses.replace(job, optimizer=OPTIMIZERS["adam"]), world_size)["adam"]
+    return _ddp_steps(job, world_size)["adam"]
 
 
 @pytest.mark.timeout(240)
@@ -125,7 +124,7 @@ def _fit(job, world_size):
 
 @pytest.mark.timeout(360)
 def test_a_checkpoint_is_written_once_and_resumes_under_another_replica_count_and_mode(tmp_path):
-    common = {"max_steps": 4, "checkpoint_every": 2, "epochs": 1, "optimizer": OPTIMIZERS["adam"]}
+    common = {"max_steps": 4, "checkpoint_every": 2, "epochs": 1, "optimizer": OPTIMIZERS["adam"]["optimizer"]}
     whole = run_ranks("mlp", 3, _fit, {**common, "max_steps": 6, "checkpoint_dir": str(tmp_path / "one")})
     first = run_ranks("mlp", 5, _fit, {**common, "replicas": 2, "checkpoint_dir": str(tmp_path / "grid")})
     parts = sorted(f for f in os.listdir(tmp_path / "grid") if ".stage-" in f)
