@@ -82,6 +82,9 @@ class Job:
     rpc_timeout: float | None = None
     nonfinite: str = "stop"  # NaN/inf loss: "stop" with an error, or "skip" the update with a warning
     hang_timeout: float = 20.0  # a worker silent this long ends the job (0: never; a dead one is seen at once)
+    # seconds a training step may go with no process working before the run ends (None: it warns after 3 x
+    # hang_timeout and goes on waiting; see [Note: a stalled step] in rpcmp/core/stall.py)
+    stall_timeout: float | None = None
     trace_file: str | None = None  # pipeline mode: Chrome-trace JSON of steps 2-4 (see rpcmp/train/timeline.py)
     metrics_file: str | None = None  # JSON lines: one per step, epoch and run end
     checkpoint_dir: str | None = None
@@ -160,6 +163,9 @@ class Job:
                            f'groups, e.g. lambda model: [{{"params": [p for p in model.parameters() if p.dim() >= 2]}}, '
                            f'{{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}}], '
                            f"got {self.param_groups!r}")
+        if self.stall_timeout is not None and not (isinstance(self.stall_timeout, (int, float)) and self.stall_timeout > 0):
+            raise JobError(f"Job.stall_timeout must be None (warn only) or a positive number of seconds, got "
+                           f"{self.stall_timeout!r}")
         if self.clip_grad_norm is not None and not (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
             raise JobError(f"Job.clip_grad_norm must be None or a positive number, got {self.clip_grad_norm!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

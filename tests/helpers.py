@@ -170,14 +170,17 @@ class Command:
         if self.poll() is None:
             try:
                 os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            except ProcessLookupError:  # not yet in a session of its own: it has started nothing
+                self._process.kill()
             self._process.join(30)
 
 
 def _read(path: str) -> str:
-    with open(path, errors="replace") as f:
-        return f.read()
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:  # the command has not opened it yet
+        return ""
 
 
 def _command_main(args, environ, cwd, out, err) -> None:

@@ -49,6 +49,7 @@ def job_options(fn):
         click.option("--snapshot-every", type=int,
                      help="With --spares: steps between in-memory snapshots a lost stage is rebuilt from."),
         click.option("--hang-timeout", type=float, help="Seconds a silent worker may take before the job ends."),
+        click.option("--stall-timeout", type=float, help="Seconds a step may go with no process working before the job ends (default: warn)."),
         click.option("--rpc-timeout", type=float, help="Seconds a call between processes may take (default 1800; 60 with --spares)."),
         click.option("--iface", envvar="RPCMP_IFACE", help="Network interface for RPC and gloo (env RPCMP_IFACE)."),
         click.option("--connect-timeout", type=float, envvar="RPCMP_CONNECT_TIMEOUT",
@@ -62,12 +63,10 @@ def job_options(fn):
     def wrapper(**kw):
         keys = ("microbatches", "batch_size", "epochs", "max_steps", "threads", "transport", "schedule", "mode", "replicas",
                 "rebalance", "spares", "snapshot_every", "accumulate", "precision", "wire", "sync_batchnorm", "batchnorm",
-                "recompute", "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "rpc_timeout",
+                "recompute", "checkpoint_dir", "checkpoint_every", "resume", "init_from", "hang_timeout", "stall_timeout", "rpc_timeout",
                 "metrics_file", "trace_file")
         set_options(iface=kw.pop("iface", None), connect_timeout=kw.pop("connect_timeout", None))
-        kw["overrides"] = {k: kw.pop(k) for k in keys if kw.get(k) is not None} or None
-        for k in keys:
-            kw.pop(k, None)
+        kw["overrides"] = {k: v for k in keys if (v := kw.pop(k, None)) is not None} or None
         debug = kw.pop("debug", False)
         try:
             return fn(**kw)

@@ -36,6 +36,7 @@ import torch.distributed.rpc as rpc
 
 from ..errors import CallTimeoutError, StageError, WorkerLostError
 from .served import RunStatus, current
+from .stall import Stalls
 
 __all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unless_lost", "unresponsive", "watch",
            "answer_watches"]
@@ -213,13 +214,20 @@ def explained(explain):
         raise better from exc
 
 
+def _end_run(text: str) -> None:  # the master, now (exit 3), and every local worker with it, even a stopped one
+    print("rpcmp: error: " + text, file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(3)
+
+
 class Watchdog(threading.Thread):
     """Ping every worker; end the master if one stays silent for ``timeout`` seconds."""
 
     def __init__(self, workers: list[str], timeout: float, status: RunStatus, interval: float = 1.0,
-                 fence: bool = False, gone: set[str] | None = None):
+                 fence: bool = False, gone: set[str] | None = None, stalls: Stalls | None = None):
         super().__init__(daemon=True, name="rpcmp-watchdog")
-        self.workers, self.timeout, self.status, self.interval = workers, timeout, status, interval
+        self.workers, self.timeout, self.status, self.interval, self.stalls = workers, timeout, status, interval, stalls
         self._halt = threading.Event()
         self.fence, self.fenced, self.identities = fence, set(), {}
         self.gone = gone if gone is not None else set()  # left the run on purpose or replaced: not watched
@@ -231,6 +239,8 @@ class Watchdog(threading.Thread):
         gone_since: dict[str, float] = {}
         while not self._halt.wait(self.interval):
             pings = _pings([w for w in self.workers if w not in self.fenced and w not in self.gone], self.timeout)
+            if self.stalls is not None and not self._halt.is_set():  # see [Note: a stalled step] in rpcmp/core/stall.py
+                self.stalls.check([w for w, why in pings.items() if not why], self.status, _end_run)
             if self.fence:
                 for w in [w for w, why in pings.items() if why and not self._halt.is_set()]:
                     self._fence(w)
@@ -247,10 +257,7 @@ class Watchdog(threading.Thread):
                     silent, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)")]
                 why += [] if not dead else [self.status.describe(
                     dead, "exited (its connections closed)")]
-                print("rpcmp: error: WorkerLostError: " + "; ".join(why), file=sys.stderr, flush=True)
-                for child in multiprocessing.active_children():  # local workers, even stopped ones
-                    child.kill()
-                os._exit(3)
+                _end_run("WorkerLostError: " + "; ".join(why))
 
     def _fence(self, worker: str) -> None:
         self.fenced.add(worker)
@@ -324,10 +331,7 @@ class Heartbeats(threading.Thread):
             last = time.monotonic()  # a round may wait for the store: only the wait between rounds is a gap
             if lost and not self._halt.is_set():
                 names = [f"worker{r}" if r else "master" for r in lost]
-                print("rpcmp: error: WorkerLostError: " + self.status.describe(names, how), file=sys.stderr, flush=True)
-                for child in multiprocessing.active_children():
-                    child.kill()
-                os._exit(3)
+                _end_run("WorkerLostError: " + self.status.describe(names, how))
 
     def _fresh(self, now: float) -> None:
         """Every rank, and the store, get a whole ``timeout`` from ``now`` (this process was stopped)."""

@@ -19,7 +19,7 @@ import itertools
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.rpc as rpc
@@ -37,6 +37,15 @@ class RunStatus:
     checkpoint_dir: str | None = None  # where the run saves (Job.checkpoint_dir), for a run that has saved nothing yet
     stages: dict[str, list[str]] = field(default_factory=dict)  # process -> what it holds
     task: str | None = None
+    in_step: bool = False  # the master is in a training step (see [Note: a stalled step] in rpcmp/core/stall.py)
+
+    def stepping(self, step: Callable[..., Any], *args) -> Any:
+        """``step(*args)``, a training step, with ``in_step`` set while it runs."""
+        self.in_step = True
+        try:
+            return step(*args)
+        finally:
+            self.in_step = False
 
     def describe(self, lost: list[str], how: str) -> str:
         """One sentence naming the ``lost`` processes, what they held, when, and what to do."""

@@ -22,6 +22,7 @@ import torch.distributed.rpc as rpc
 
 from ..errors import RunAbortedError
 from ..core.health import Watchdog
+from ..core.stall import Stalls
 from ..job import Job, load_job
 from ..core.store import launch_store
 from .network import preflight
@@ -211,7 +212,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
         if rank == 0 and main is not None:
             if world_size > 1 and job.hang_timeout:
                 watchdog = Watchdog([process_name(r) for r in range(1, world_size)], job.hang_timeout, served.status,
-                                    fence=bool(job.spares), gone=served.lost)
+                                    fence=bool(job.spares), gone=served.lost,
+                                    stalls=Stalls(job.hang_timeout, job.stall_timeout))
                 watchdog.start()
             result = main(job, world_size)
         elif rank != 0:

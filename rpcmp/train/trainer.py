@@ -87,7 +87,7 @@ def _train(job, engine, console: Console, train_set, heldout, per_epoch: int, st
                 step_start = time.perf_counter()
                 tracer.before(step + 1)
                 try:
-                    loss, n = engine.train_step(group)
+                    loss, n = engine.status.stepping(engine.train_step, group)  # see [Note: a stalled step]
                 except RolledBack as back:  # a lost owner was replaced: see rpcmp/master/recovery.py
                     (step, position), rolled = _rolled_back(back, progress, task, losses, step), True
                     break

@@ -299,3 +299,31 @@ def test_a_call_past_its_rpc_timeout_with_every_process_answering_says_so_and_wh
     assert "CallTimeoutError" in err and "ran past its timeout (5 s, Job.rpc_timeout), yet every process answers" in err, err
     assert "--resume" in err and latest_checkpoint(ckpt) is not None, err
     assert not left, f"processes were left: {left}"
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ends", [False, True], ids=["warns", "ends-with-stall-timeout"])
+def test_a_step_no_process_works_on_is_said_and_with_a_stall_timeout_ends_the_run(ends):
+    """tests/jobs/blocks.py: stage 1's third training forward waits forever on an event, as a forward blocked on a
+    lock or a queue would; every process answers the watchdog's pings, so the run waited without a word. Now no
+    process working for 3 x --hang-timeout in a step is said once, with each process's id; --stall-timeout S ends
+    the run after S idle seconds, exit 3 (see [Note: a stalled step] in rpcmp/core/stall.py)."""
+    proc = Command("run", job_path("blocks"), "--local", "3", "--max-steps", "10", "--hang-timeout", "2",
+                   *(["--stall-timeout", "4"] if ends else []), merged=True)
+    try:
+        said = "at step 3: no process has worked for " + ("4s" if ends else "6s")
+        deadline = time.monotonic() + 100
+        while said not in proc.output():
+            assert time.monotonic() < deadline and (ends or proc.poll() is None), proc.output()
+            time.sleep(0.1)
+        if ends:
+            assert proc.wait(30) == 3
+            assert "rpcmp: error: StallError: " + said in proc.output()
+        else:
+            time.sleep(3)
+            assert proc.poll() is None, proc.output()  # a warning: the run goes on waiting
+            assert proc.output().count("rpcmp: warning: " + said) == 1, proc.output()
+    finally:
+        proc.kill()
+    for name in ("master", "worker1", "worker2"):
+        assert f"{name} pid " in proc.output()
