@@ -163,6 +163,9 @@ class Job:
                            f'groups, e.g. lambda model: [{{"params": [p for p in model.parameters() if p.dim() >= 2]}}, '
                            f'{{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}}], '
                            f"got {self.param_groups!r}")
+        if self.param_groups is not None and declaration_kind(self.stages) == "modules":
+            raise JobError("Job.param_groups is called with the whole model, and stages given as modules have none: "
+                           "give Job(model=...) and name its stages, or drop param_groups")
         if self.stall_timeout is not None and not (isinstance(self.stall_timeout, (int, float)) and self.stall_timeout > 0):
             raise JobError(f"Job.stall_timeout must be None (warn only) or a positive number of seconds, got "
                            f"{self.stall_timeout!r}")

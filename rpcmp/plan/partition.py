@@ -35,8 +35,8 @@ from .placement import place_unused, shared_params
 from .graphs import forget_trace, place_graph
 from .strange import refuse_strange
 from .export import traces
-from .traced import (SplitAt, attach_eval, outputs_no_gradient, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
-                     same_graphs, stage_module)
+from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
+                     outputs_no_gradient, same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
 from .writes import has_batch_state, meta_findings, traced_writes
 from ..errors import PartitionError

@@ -61,9 +61,11 @@ def test_a_mistake_in_the_groups_is_refused_saying_what_to_change(groups, match)
         plan_groups(_job(groups), _tied())
 
 
-def test_param_groups_that_is_not_a_function_is_refused_at_once():
+def test_param_groups_that_is_not_a_function_or_without_a_whole_model_is_refused_at_once():
     with pytest.raises(JobError, match="must be None or a function of the model"):
         _job([{"params": []}])
+    with pytest.raises(JobError, match="stages given as modules have none"):
+        rpcmp.Job(stages=[nn.Linear(2, 2), nn.Linear(2, 2)], param_groups=_no_decay)
 
 
 def test_a_frozen_parameter_may_stay_out_of_every_group():
