@@ -50,7 +50,9 @@ class Job:
     metric: Callable[[Any, Any], float] | None = None  # higher is better, on held-out data
     metric_name: str = "metric"
     optimizer: tuple[type, dict] = (torch.optim.SGD, {"lr": 0.01})
-    scheduler: tuple[type, dict] | None = None  # (torch.optim.lr_scheduler.<Class>, {kwargs}), stepped per step
+    # (torch.optim.lr_scheduler.<Class>, {kwargs}), or a function of the optimizer that returns a scheduler
+    # (lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 100, 1000)); stepped once per optimizer step
+    scheduler: tuple[type, dict] | Callable | None = None
     # model -> torch.optim-style groups with settings of their own, e.g. no weight decay on biases and norms:
     # [{"params": [parameters or names], "weight_decay": 0.0}, ...] (see [Note: parameter groups])
     param_groups: Callable[[torch.nn.Module], list[dict]] | None = None
@@ -150,11 +152,7 @@ class Job:
                            f"a step; use an optimizer that steps on the gradients alone (SGD, Adam, AdamW, ...)")
         self.optimizer = (cls, kwargs)
         if self.scheduler is not None:
-            scls, skw = _optimizer(self.scheduler)
-            if not (isinstance(scls, type) and issubclass(scls, torch.optim.lr_scheduler.LRScheduler)):
-                raise JobError(f"Job.scheduler must be (torch.optim.lr_scheduler.<Class>, {{kwargs}}) stepped once "
-                               f"per optimizer step (ReduceLROnPlateau is not supported), got {self.scheduler!r}")
-            self.scheduler = (scls, skw)
+            self.scheduler = _scheduler(self.scheduler)
         self._check_optionals()
 
     def _check_optionals(self) -> None:
@@ -217,6 +215,20 @@ def _needs_closure(cls: type) -> bool:
     except (TypeError, ValueError):
         return False
     return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _scheduler(value: Any) -> tuple[Any, dict]:
+    """``Job.scheduler`` as ``(class or function, kwargs)``; a function is checked when the run calls it
+    (:func:`rpcmp.core.hparams.make_scheduler`)."""
+    if callable(value) and not isinstance(value, type):
+        return value, {}
+    scls, skw = _optimizer(value)
+    lr = torch.optim.lr_scheduler
+    if not (isinstance(scls, type) and issubclass(scls, lr.LRScheduler) and not issubclass(scls, lr.ReduceLROnPlateau)):
+        raise JobError(f"Job.scheduler must be (torch.optim.lr_scheduler.<Class>, {{kwargs}}) or a function of the "
+                       f"optimizer that returns one, stepped once per optimizer step (ReduceLROnPlateau is not "
+                       f"supported), got {value!r}")
+    return scls, skw
 
 
 def _optimizer(value: Any) -> tuple[Any, dict]:

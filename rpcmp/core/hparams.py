@@ -23,8 +23,8 @@ import torch
 from ..errors import JobError
 from .groups import GROUP_KEY, Groups
 
-__all__ = ["scheduled_fields", "apply_fields", "read_fields", "make_probe", "scheduler_state", "load_scheduler_state",
-           "StageFields"]
+__all__ = ["scheduled_fields", "apply_fields", "read_fields", "make_probe", "make_scheduler", "scheduler_state",
+           "load_scheduler_state", "StageFields"]
 
 
 def scheduled_fields(optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
@@ -67,8 +67,19 @@ def make_probe(optimizer: tuple, scheduler: tuple | None, groups: Groups | None 
     cls, kwargs = optimizer
     settings = groups.settings if groups is not None else ({},)
     probe = cls([{"params": [torch.zeros(1, requires_grad=True)], **s} for s in settings], **kwargs)
+    return probe, make_scheduler(scheduler, probe)
+
+
+def make_scheduler(scheduler: tuple, optimizer: torch.optim.Optimizer):
+    """The job's ``(class or function, kwargs)`` scheduler over ``optimizer``, checked to be one stepped per step."""
     scls, skwargs = scheduler
-    return probe, scls(probe, **skwargs)
+    made = scls(optimizer, **skwargs)
+    if not isinstance(made, torch.optim.lr_scheduler.LRScheduler) or isinstance(
+            made, torch.optim.lr_scheduler.ReduceLROnPlateau):  # its step needs the metric: not once per step alone
+        raise JobError(f"Job.scheduler {getattr(scls, '__name__', scls)!r} returned a {type(made).__name__}, not a "
+                       f"torch.optim.lr_scheduler.LRScheduler stepped once per optimizer step (ReduceLROnPlateau is not "
+                       f"supported)")
+    return made
 
 
 def _flat(fields: dict) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ from ..core.store import launch_store
 from ..core.served import current
 from ..owner.state import rng_state as process_rng_state, set_rng_state as set_process_rng_state
 from ..core.groups import plan_groups
-from ..core.hparams import load_scheduler_state, scheduler_state
+from ..core.hparams import load_scheduler_state, make_scheduler, scheduler_state
 from ..core.microbatch import batch_size, to_device
 from ..core.policy import NonFinite
 from ..data import data_loader, step_groups
@@ -113,7 +113,7 @@ class DDPEngine:
         cls, kwargs = job.optimizer
         groups = plan_groups(job, self.module)  # see [Note: parameter groups]
         self.optimizer = cls(groups.split(self.module.named_parameters()) if groups else self.model.parameters(), **kwargs)
-        self.scheduler = job.scheduler[0](self.optimizer, **job.scheduler[1]) if job.scheduler else None
+        self.scheduler = make_scheduler(job.scheduler, self.optimizer) if job.scheduler else None
         if job.precision == "fp16" and self.device.type != "cuda":
             raise JobError("precision='fp16' needs a GPU (loss scaling); use precision='bf16' on the CPU")
         self.scaler = torch.amp.GradScaler("cuda") if job.precision == "fp16" else None

@@ -354,6 +354,52 @@ def test_parameter_groups_train_as_the_unsplit_model_s_optimizer_with_them(job):
     assert_close_f32(state, model.state_dict())
 
 
+def _warm_then_cosine(optimizer):  # what Hugging Face's recipes pass: a function of the optimizer
+    import transformers
+    return transformers.get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=4)
+
+
+def test_a_scheduler_made_by_a_function_of_the_optimizer_moves_every_stage_s_rate_as_torch_s():
+    """Job(scheduler=fn): transformers' get_*_schedule_with_warmup return a LambdaLR of the optimizer they are given;
+    the master calls it on its probe, as torch's own scheduler classes (see [Note: schedulers in pipeline mode])."""
+    job = load("mlp")
+    serve(job)
+    data = batches(4)
+    torch.manual_seed(job.seed)
+    model = job.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = _warm_then_cosine(opt)
+    ref = []
+    for x, y in data:
+        opt.zero_grad()
+        job.loss(model(x), y).backward()
+        opt.step()
+        sched.step()
+        ref.append(opt.param_groups[0]["lr"])
+    pipe = rpcmp.Pipeline(dataclasses.replace(job, scheduler=_warm_then_cosine, placement=["master/cpu"] * 2,
+                                              optimizer=(torch.optim.SGD, {"lr": 0.1})), world_size=1)
+    got = []
+    for x, y in data:
+        pipe.train_step(x, y)
+        got.append(pipe.learning_rates())
+    state = pipe.state_dict()
+    pipe.close()
+    assert got == [[lr] for lr in ref] and ref[0] < ref[1] > ref[2] > ref[3]  # warm-up, then down
+    assert_close_f32(state, model.state_dict())
+
+
+def test_a_scheduler_function_that_returns_no_scheduler_is_refused_saying_so():
+    job = dataclasses.replace(load("mlp"), scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+                              placement=["master/cpu"] * 2)
+    serve(job)
+    with pytest.raises(rpcmp.JobError, match=r"returned a ReduceLROnPlateau, not a torch.optim.lr_scheduler.LRScheduler "
+                                             r"stepped once per optimizer step"):
+        rpcmp.Pipeline(job, world_size=1)
+    for wrong in ((torch.optim.SGD, {}), (torch.optim.lr_scheduler.ReduceLROnPlateau, {})):
+        with pytest.raises(rpcmp.JobError, match=r"or a function of the optimizer that returns one"):
+            dataclasses.replace(job, scheduler=wrong)
+
+
 @pytest.mark.parametrize("scripts", [False, True], ids=["functional-python", "torch-that-scripts"])
 def test_the_local_optimizers_hold_state_that_rpcmp_writes_into(job, monkeypatch, scripts):
     """Under a torch that compiles the functional optimizers with TorchScript (there, Python reads a copy of their
