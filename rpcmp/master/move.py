@@ -224,7 +224,9 @@ def new_optimizer(pipe, old_optims: dict, changed: set[str]) -> None:
     cls, kwargs = pipe.optimizer_spec
     params = [r for r in pipe.param_rrefs if r.owner().name in changed]
     fresh = distributed_optimizer(cls, params, **kwargs).remote_optimizers if params else []
-    wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name)))
+    sent = pipe.fields.sent if getattr(pipe, "fields", None) is not None else None  # what every optimizer has now
+    wait_all([rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, old_optims.get(r.owner().name),
+                                                                          sent))
               for r in fresh] + [rpc.rpc_async(r.owner(), owner_move.adopt_optimizer, args=(pipe.pid, r, None))
                                  for r in keep])
     current().keep_lost([r for r in pipe.optimizer.remote_optimizers if r not in keep])

@@ -238,12 +238,16 @@ def drop_stage(pid: int, index: int) -> None:
         host.compute.shutdown(wait=False)
 
 
-def adopt_optimizer(pid: int, new_rref, old_rref) -> int:
+def adopt_optimizer(pid: int, new_rref, old_rref, sent: dict | None = None) -> int:
     """This process's new local optimizer takes the state of its parameters: from the old local
     optimizer for the stages that stayed (the same tensors), by name from what a moved stage
-    brought; and the fields (learning rate, ...) the old one had. Returns the parameters with state."""
+    brought; and the fields (learning rate, ...) the old one had, or what came, over ``sent``: the fields
+    the master last wrote to every optimizer (a stage rebuilt from a checkpoint brings none, and the
+    master then writes only what its scheduler changes). Returns the parameters with state."""
     stage_state.register_optimizer(pid, new_rref)
     new = new_rref.local_value().optim
+    if sent:
+        apply_fields(new, sent)
     fields = None
     if old_rref is not None:
         old = old_rref.local_value().optim

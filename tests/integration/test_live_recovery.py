@@ -147,6 +147,23 @@ def test_without_snapshots_the_lost_stage_comes_from_the_last_checkpoint(tmp_pat
 
 
 @pytest.mark.timeout(300)
+def test_an_owner_lost_just_after_a_checkpoint_takes_the_optimizer_settings_of_the_step_it_trains_again(tmp_path,
+                                                                                                       uninterrupted):
+    """Killed once the checkpoint of step 10 is complete: the step in flight (11) is trained again from it, with the
+    settings the scheduler gave that step, which the master had already sent before the loss. The spare's new
+    optimizer was built with the job's own (each group's base rate): the master sent it only the settings that
+    differed from what it had sent before, none, and step 11 trained with other rates (tests/jobs/three.py's
+    per-group scheduler: a model 1.6e-4 off)."""
+    folder = tmp_path / "run"
+    saved = lambda: os.path.isdir(folder) and any(s.startswith("step-00000010.") for s in complete_stems(str(folder)))  # noqa: E731
+    code, out = _run_and_hit(folder, [(saved, "worker2", signal.SIGKILL)], "--spares", "1", "--snapshot-every", "0",
+                             "--checkpoint-every", "5")
+    assert code == 0, out
+    assert "rebuilt on worker4 from the checkpoint of step 10" in out, out
+    assert_close_f32(load_checkpoint(str(folder))["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("at", [32, STEPS], ids=["epoch-end", "last"])
 def test_an_owner_lost_at_an_epoch_s_end_or_the_run_s_is_recovered_or_harmless(tmp_path, uninterrupted, at):
     # Without --checkpoint-every the run saves after each epoch (32 steps) and at the end: the kill lands as the
