@@ -27,7 +27,7 @@ from torch import nn
 
 from ..errors import JobError
 
-__all__ = ["GROUP_KEY", "Groups", "Grouped", "plan_groups"]
+__all__ = ["GROUP_KEY", "Groups", "Grouped", "plan_groups", "numeric"]
 
 GROUP_KEY = "rpcmp_group"  # a local optimizer's group: which of the job's groups it is
 
@@ -153,13 +153,21 @@ def _check_settings(optimizer: tuple, settings: list[dict[str, Any]]) -> None:
             raise JobError(f"Job.param_groups: group {i} sets {', '.join(map(repr, unknown))}, which "
                            f"{cls.__name__} does not have (its settings: {', '.join(sorted(probe.defaults))})")
         for key, value in s.items():
-            if _numbers(probe.defaults[key]) and not _numbers(value, like=probe.defaults[key]):
+            default = probe.defaults[key]
+            if numeric(default) and not (numeric(value) and _arity(value) == _arity(default)):
                 raise JobError(f"Job.param_groups: group {i} sets {key}={value!r}, but {cls.__name__}'s {key} is "
-                               f"{probe.defaults[key]!r}: give a value of that kind")
+                               f"{default!r}: give a value of that kind")
 
 
-def _numbers(value: Any, like: Any = None) -> bool:
-    """``value`` is a number, or a tuple of numbers (as long as ``like``'s, where given)."""
+def numeric(value: Any) -> bool:
+    """A number (not a bool), or a tuple of numbers: a setting a scheduler may change (``lr``, ``betas``)."""
+    if isinstance(value, bool):
+        return False
     if isinstance(value, tuple):
-        return all(_numbers(v) for v in value) and (like is None or isinstance(like, tuple) and len(like) == len(value))
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not isinstance(like, tuple)
+        return all(numeric(v) for v in value)
+    return isinstance(value, (int, float))
+
+
+def _arity(value: Any) -> int | None:
+    """None for a number, the length of a tuple (``betas``)."""
+    return len(value) if isinstance(value, tuple) else None

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import JobError
-from .groups import GROUP_KEY, Groups
+from .groups import GROUP_KEY, Groups, numeric as _numeric
 
 __all__ = ["scheduled_fields", "apply_fields", "read_fields", "make_probe", "make_scheduler", "scheduler_state",
            "load_scheduler_state", "StageFields"]
@@ -102,14 +102,6 @@ def load_scheduler_state(scheduler, optimizer: torch.optim.Optimizer, state: dic
         return
     scheduler.load_state_dict(state["scheduler"])
     apply_fields(optimizer, state["fields"])
-
-
-def _numeric(value: Any) -> bool:
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, tuple):
-        return all(_numeric(v) for v in value)
-    return isinstance(value, (int, float))
 
 
 _UNSET = object()
