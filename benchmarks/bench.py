@@ -309,13 +309,27 @@ def mlp_rounds(console, res, rounds):
     res["mlp_alone_rounds"] = alone
 
 
-def hops(console, res):
-    console.print("[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers")
-    res["hop_s"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False)
-    res["hop_s_shm"] = launch_local(os.path.join(JOBS, "hops.py"), 4, _rpcmp_hops, master_in_process=False,
-                                    overrides={"transport": "shm"})
-    res["bare_hop_s"] = {t: spawn(_bare_hops, 4, t) for t in ("uv", "shm")}
-    res["one_message_hop_s"] = {t: spawn(_bare_hops, 4, t, False) for t in ("uv", "shm")}
+def hops(console, res, rounds):
+    """rpcmp's hops, the bare chain and its floor, on uv and shm, taking turns ``rounds`` times; medians. One launch
+    to the next moves each of them by a tenth or more (the floor too), so a ratio of single launches says little."""
+    console.print(f"[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers; rpcmp, the bare chain "
+                  f"and its floor alternate, {rounds} launches each")
+    hops_job = os.path.join(JOBS, "hops.py")
+    runs = []
+    for _ in range(rounds):
+        one = {}
+        for t in ("uv", "shm"):
+            one[f"rpcmp_{t}"] = launch_local(hops_job, 4, _rpcmp_hops, master_in_process=False,
+                                             overrides={"transport": t})
+            one[f"bare_{t}"], one[f"one_message_{t}"] = spawn(_bare_hops, 4, t), spawn(_bare_hops, 4, t, False)
+        runs.append(one)
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    res["hop_s"], res["hop_s_shm"] = med["rpcmp_uv"], med["rpcmp_shm"]
+    res["bare_hop_s"] = {t: med[f"bare_{t}"] for t in ("uv", "shm")}
+    res["one_message_hop_s"] = {t: med[f"one_message_{t}"] for t in ("uv", "shm")}
+    res["hop_floor_ratio_per_round"] = {t: [r[f"rpcmp_{t}"] / (2 * r[f"one_message_{t}"]) for r in runs]
+                                        for t in ("uv", "shm")}
+    res["hop_rounds"] = runs
 
 
 def _best_pipelining(peer: dict, m: int) -> float:
@@ -332,7 +346,7 @@ def main(out, rounds, only):
     console = Console()
     res = {}
     if only == "hops":
-        hops(console, res)
+        hops(console, res, rounds)
         report_hops(console, res)
         _write(console, res, out)
         return
@@ -364,7 +378,7 @@ def main(out, rounds, only):
     res["rpcmp_unet_recompute"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
                                                overrides={"recompute": True})
     res["hand_rpc_unet"] = spawn(_hand_rpc, 3)
-    hops(console, res)
+    hops(console, res, rounds)
     console.print(f"[bold]peak memory: split Unet vs one process, batch {MEMORY_BATCH[0]} of 1x{MEMORY_BATCH[1]}^2, SGD "
                   f"(M = 4; and M = 8, overlap vs 1f1b)")
     # The largest process's peak moves by up to ~7% from one launch of the same code to the
@@ -435,6 +449,7 @@ def report(console, res):
                   f"{overlap:.0f} MiB", f"{capped / overlap:.2f}")
     console.print(table)
     report_mlp(console, res)
+    report_hop_rounds(console, res)
     console.print(f"split Unet M=4 vs pipelining, medians over {len(res['unet_ratio_per_round'])} alternating "
                   "launches; ratio per launch: " + ", ".join(f"{r:.2f}" for r in res["unet_ratio_per_round"]))
     console.print(f"largest split-Unet process over {len(res['unet_memory_largest_per_round'])} launches: "
@@ -459,6 +474,13 @@ def report_hops(console, res):
         table.add_column(col, justify="left" if col == "comparison" else "right")
     _hop_rows(table, res)
     console.print(table)
+    report_hop_rounds(console, res)
+
+
+def report_hop_rounds(console, res):
+    for t, per in res["hop_floor_ratio_per_round"].items():
+        console.print(f"per hop ({t}) against its floor, medians over {len(per)} alternating launches; ratio per "
+                      f"launch: " + ", ".join(f"{r:.2f}" for r in per))
 
 
 def report_mlp(console, res):

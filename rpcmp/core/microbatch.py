@@ -67,7 +67,7 @@ def check_tensors(value: Any, where: str) -> None:
     """Raise a clear error unless ``value`` is a tensor or nested list/tuple/dict of tensors."""
     # None counts as a leaf (pytree would skip it): a stage that forgot to ``return`` is caught here.
     # Per micro-batch, so the key paths are only computed once something is not a tensor.
-    if all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value, is_leaf=_none)):
+    if isinstance(value, torch.Tensor) or all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value, is_leaf=_none)):
         return
     for path, leaf in pytree.tree_flatten_with_path(value, is_leaf=_none)[0]:
         if not isinstance(leaf, torch.Tensor):
@@ -83,6 +83,8 @@ def _none(x: Any) -> bool:
 
 def tensors(batch: Any):
     """Every tensor of a nested batch, depth first."""
+    if isinstance(batch, torch.Tensor):  # the common case, per micro-batch and hop: no tree to walk
+        return iter((batch,))
     return (t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor))
 
 

@@ -228,7 +228,8 @@ class _MicroBatches:
 
     def _forward_backward(self, i: int, ctx: int) -> None:
         pipe = self.pipe
-        out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe.owners).wait()
+        out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe.owners,
+                         len(self.xs) == 1).wait()
         out = pipe.to_fp32(out)
         if self.gathered:
             self.outs[i] = out

@@ -17,7 +17,8 @@ from ..core.served import current
 __all__ = ["send", "deliver", "abandon", "cancel"]
 
 
-def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) -> torch.futures.Future:
+def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str], alone: bool = False
+         ) -> torch.futures.Future:
     """On the master: start micro-batch ``seq`` at the first stage's owner ``first``.
 
     The returned future completes with the last stage's output the moment :func:`deliver`
@@ -26,7 +27,8 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) 
     waiting for the chain's own future would add a one-way trip per stage after the output
     has arrived; see [Note: why activations skip the master]. If the chain fails, every
     stage (``owners[k]`` holds stage k) is told to skip ``seq``, so that the stages after
-    the failure do not wait for it with later micro-batches.
+    the failure do not wait for it with later micro-batches. ``alone``: ``seq`` is its step's only
+    micro-batch (each stage runs it on the RPC thread that receives it).
     """
     served = current()
     awaited = served.inbox
@@ -47,7 +49,7 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str]) 
                 rpc.rpc_async(owner, stage.skip, args=(pid, index, seq))
             except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
                 pass
-    rpc.rpc_async(served.worker(first), stage.forward, args=(pid, 0, seq, compact(x), grad)).add_done_callback(failed)
+    rpc.rpc_async(served.worker(first), stage.forward, args=(pid, 0, seq, compact(x), grad, alone)).add_done_callback(failed)
     return out
 
 

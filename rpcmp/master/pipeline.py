@@ -169,10 +169,9 @@ class Pipeline(PipelineState):
         check_sizes(self.specs[0].sizes, x)  # see [Note: any sequence length]
         health.watch(self.owners, self.pid)  # an evaluation's too: see [Note: a death seen at once]
         parts = scatter(x, chunks or self.microbatches)
-        first = self.places[0].process
-        seqs = self.next_seqs(len(parts))
+        first, seqs = self.places[0].process, self.next_seqs(len(parts))
         try:
-            outs = wait_all([inbox.send(self.pid, s, first, p, grad, self.owners) for s, p in zip(seqs, parts)])
+            outs = wait_all([inbox.send(self.pid, s, first, p, grad, self.owners, len(parts) == 1) for s, p in zip(seqs, parts)])
         except Exception:
             inbox.abandon(self.pid, seqs)
             self.resync()

@@ -26,7 +26,11 @@ m + 1's nodes all outnumber m's, so backward finishes one micro-batch at a time 
 sends its gradient upstream at once. Run from whichever RPC thread was free, the
 micro-batches' nodes interleave, the engine works on all of them together, and the
 upstream stage sits idle until the last one is done (about twice the backward time,
-figures: benchmarks/PERFORMANCE.md, design measurements).
+figures: benchmarks/PERFORMANCE.md, design measurements). A micro-batch with nothing of
+its step to interleave with (the step's only one, ``alone``, or a forward without gradient)
+runs on the RPC thread that received it, on a CPU stage: the two hand-offs to the compute
+thread and back cost about 0.15 ms a hop (benchmarks/PERFORMANCE.md, per hop). A GPU stage
+keeps its compute thread (the streams it runs on stay as they are).
 
 Activation checkpointing (``Job(recompute=True)``): see [Note: recompute] in
 :mod:`rpcmp.owner.recompute`.
@@ -112,11 +116,14 @@ class StageHost:
         self.gate = InOrder(f"stage {self.spec.index} ({self.spec.name}) on {self.place.process}", self.timeout,
                             self.mail_in)
 
-    def run(self, seq: int, x: Any, grad: bool) -> Any:
+    def run(self, seq: int, x: Any, grad: bool, alone: bool = False) -> Any:
         mail = self.gate.enter(seq)
+        x = (x, mail) if self.mail_in else x
         try:
             # See [Note: one compute thread per stage].
-            return self.compute.submit(self._compute, (x, mail) if self.mail_in else x, grad, seq).result()
+            if (alone or not grad) and self.device.type == "cpu":
+                return self._compute(x, grad, seq)
+            return self.compute.submit(self._compute, x, grad, seq).result()
         finally:
             self.gate.leave(seq)
 
@@ -252,15 +259,17 @@ def _done(value: Any) -> torch.futures.Future:
 
 
 @rpc.functions.async_execution
-def forward(pid: int, index: int, seq: int, x: Any, grad: bool, sent: float | None = None) -> torch.futures.Future:
-    """Run micro-batch ``seq`` through stage ``index`` and hand it on. ``sent``: while tracing, when the stage
-    before started sending it (its transfer is a slice of the timeline: rpcmp.train.timeline)."""
+def forward(pid: int, index: int, seq: int, x: Any, grad: bool, alone: bool = False,
+            sent: float | None = None) -> torch.futures.Future:
+    """Run micro-batch ``seq`` through stage ``index`` and hand it on. ``alone``: the only micro-batch of its step
+    (see [Note: one compute thread per stage]). ``sent``: while tracing, when the stage before started sending
+    it (its transfer is a slice of the timeline: rpcmp.train.timeline)."""
     served = current()
     host = served.host(pid, index)
     if sent is not None and host.events is not None:
         host.events.append(("T", seq, sent, time.time()))
     try:
-        y = host.run(seq, x, grad)
+        y = host.run(seq, x, grad, alone)
     except Exception as exc:  # noqa: BLE001 - see [Note: failures travel as values]
         if type(exc) in (StageError, StepCancelled):  # from the gate (a timeout, a failed step): the message says it all
             return _done(Failure(str(exc), kind=type(exc).__name__))
@@ -274,7 +283,7 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool, sent: float | No
         posted = [rpc.rpc_async(host.owners[j], post, args=(pid, j, seq, values)) for j, values in posts.items()]
     if host.next_process is not None:
         traced = (time.time(),) if host.events is not None else ()
-        nxt = rpc.rpc_async(served.worker(host.next_process), forward, args=(pid, index + 1, seq, y, grad, *traced))
+        nxt = rpc.rpc_async(served.worker(host.next_process), forward, args=(pid, index + 1, seq, y, grad, alone, *traced))
     elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
         host.deliver(pid, seq, y)
         nxt = _done(None)

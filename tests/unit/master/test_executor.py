@@ -44,6 +44,7 @@ class FakePipe:
         self.events, self.lock, self.fail, self.rng = [], threading.Lock(), fail, random.Random(seed)
         self.sync, self.seq, self.abandoned, self.resyncs = _Recorder(self.events), 0, [], 0
         self.in_flight = self.most_in_flight = 0
+        self.alone = set()  # what send was told: whether the micro-batch is its step's only one
         self.local = threading.local()
         self.delays, self.cancelled, self.lost = delays or {}, set(), set()
         self.grad, self.outs, self.grads, self.output = grad, {}, {}, output  # grad: outputs are leaves; backward records their gradient
@@ -59,8 +60,9 @@ class FakePipe:
         self.seq += count
         return list(range(self.seq - count, self.seq))
 
-    def send(self, pid, seq, first, x, grad, owners):
+    def send(self, pid, seq, first, x, grad, owners, alone=False):
         i = seq - self.seqs0
+        self.alone.add(alone)
         self.local.i = i  # the same driver thread calls backward for this micro-batch
         with self.lock:
             self.events.append(("enter", i))
@@ -132,6 +134,7 @@ def test_a_context_per_micro_batch_enters_merges_and_steps_as_its_plan_says(fake
         assert step == len(kinds) - 1 and pipe.events[step][2] == pytest.approx(loss.item())
         assert len({e[3] for e in pipe.events if e[0] == "merge"}) <= 1  # all into the first micro-batch's context
         assert pipe.most_in_flight <= plan.in_flight
+        assert pipe.alone == {m == 1}  # the owners run a step's only micro-batch on their RPC thread
         for i, after in enumerate(plan.admit_after):  # 1f1b: i enters once i - S is merged
             if after is not None:
                 done = ("merge", after) if after else ("backward", 0)  # micro-batch 0 is merged into by the rest

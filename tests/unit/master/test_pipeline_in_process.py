@@ -3,6 +3,7 @@ one-process RPC world (real RPC, real distributed autograd, no other process). W
 several processes (transport, faults, launch) is in tests/integration."""
 import dataclasses
 import functools
+import threading
 
 import pytest
 import torch
@@ -30,6 +31,25 @@ def test_every_schedule_trains_as_the_unsplit_model(job, schedule):
     assert_close_f32(pipe.state_dict(), ref_state)
     pipe.close()
     assert not current().hosts and len(current().inbox) == 0  # closing leaves nothing behind
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_step_s_only_micro_batch_runs_on_the_rpc_thread_and_several_on_each_stage_s_compute_thread(job, microbatches):
+    """[Note: one compute thread per stage]: several micro-batches must build their graphs on one thread per stage
+    (the backward's order); a step of one has nothing to interleave with and skips the two hand-offs."""
+    threads = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: threads.append(threading.current_thread().name))
+    try:
+        pipe = rpcmp.Pipeline(job, world_size=1, microbatches=microbatches)
+        threads.clear()  # the plan's own forwards
+        for x, y in batches(2):
+            pipe.train_step(x, y)
+    finally:
+        hook.remove()
+    pipe.close()
+    on_stage = {name.startswith("rpcmp-stage") for name in threads}
+    assert threads and on_stage == {microbatches > 1}, sorted(set(threads))
 
 
 def test_state_and_optimizer_state_round_trip_by_the_unsplit_names(job):
