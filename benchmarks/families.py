@@ -125,16 +125,8 @@ else:
     _CUT, _RECUT = [f"m.{_BLOCKS}.1", f"m.{_BLOCKS}.3"], [f"m.{_BLOCKS}.2", f"m.{_BLOCKS}.3"]
 
 
-def groups(model: nn.Module) -> list[dict]:
-    """Hugging Face Trainer's parameter groups: weight decay on every parameter but biases and norm weights."""
-    kept = {f"{m}.{n}" if m else n for m, module in model.named_modules() if "norm" in type(module).__name__.lower()
-            for n, _ in module.named_parameters(recurse=False)}
-    rest = [n for n, _ in model.named_parameters() if n in kept or n.endswith("bias")]
-    return [{"params": [n for n, _ in model.named_parameters() if n not in rest]}, {"params": rest, "weight_decay": 0.0}]
-
-
 job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(*_CUT), batch_size=8, microbatches=4, schedule="gpipe", loss=loss,
-                optimizer=(torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}), param_groups=groups,
+                optimizer=(torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}), param_groups=rpcmp.no_decay,
                 threads=1)
 
 
@@ -155,7 +147,7 @@ def _unsplit_run():
     torch.manual_seed(job.seed)
     model = Model()
     named = dict(model.named_parameters())
-    opt = torch.optim.AdamW([{**g, "params": [named[n] for n in g["params"]]} for g in groups(model)],
+    opt = torch.optim.AdamW([{**g, "params": [named[n] for n in g["params"]]} for g in rpcmp.no_decay(model)],
                             **job.optimizer[1])
     losses = []
     for x, y in batches():

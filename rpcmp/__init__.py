@@ -12,7 +12,7 @@ import importlib
 
 # Imported on first use: `rpcmp run` starts its fork server before this process imports torch.
 _LAZY = {"Job": ".job", "load_job": ".job", "Split": ".plan.partition", "SplitAt": ".plan.partition",
-         "Pipeline": ".master.pipeline"}
+         "Pipeline": ".master.pipeline", "no_decay": ".core.groups"}
 
 
 def __getattr__(name: str):
@@ -27,7 +27,7 @@ def __dir__():
     return sorted([*globals(), *_LAZY])
 
 __all__ = [
-    "Job", "Split", "SplitAt", "Pipeline", "load_job",
+    "Job", "Split", "SplitAt", "Pipeline", "load_job", "no_decay",
     "RpcmpError", "JobError", "NonFiniteLossError", "PartitionError", "PlacementError", "MicroBatchError", "StageError", "StageOutputError",
     "WorkerLostError", "CheckpointError", "CheckpointWriteError", "LaunchError", "RunAbortedError", "NetworkError",
     "CallTimeoutError",

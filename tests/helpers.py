@@ -82,15 +82,6 @@ def no_decay(model: nn.Module) -> list[dict]:
             {"params": [n for n, p in model.named_parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 0.03}]
 
 
-def lm_no_decay(model: nn.Module) -> list[dict]:
-    """``Job.param_groups`` as Hugging Face's Trainer builds them: no weight decay on biases and norm weights."""
-    kept = {f"{m}.{n}" if m else n for m, module in model.named_modules() if "norm" in type(module).__name__.lower()
-            for n, _ in module.named_parameters(recurse=False)}
-    rest = [n for n, _ in model.named_parameters() if n in kept or n.endswith("bias")]
-    return [{"params": [n for n, _ in model.named_parameters() if n not in rest]},
-            {"params": rest, "weight_decay": 0.0}]
-
-
 def torch_groups(model: nn.Module, groups=no_decay) -> list[dict]:
     """``groups(model)`` as torch.optim takes them: parameters, not names."""
     named = dict(model.named_parameters())

@@ -19,6 +19,7 @@ finds its group on any owner. DDP mode builds its one optimizer from the same na
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -27,7 +28,7 @@ from torch import nn
 
 from ..errors import JobError
 
-__all__ = ["GROUP_KEY", "Groups", "Grouped", "plan_groups", "numeric"]
+__all__ = ["GROUP_KEY", "Groups", "Grouped", "plan_groups", "numeric", "no_decay"]
 
 GROUP_KEY = "rpcmp_group"  # a local optimizer's group: which of the job's groups it is
 
@@ -76,6 +77,26 @@ class Grouped:
         names = {id(p): host.spec.prefix + n for host in list(current().hosts.values())
                  for n, p in host.module.named_parameters(remove_duplicate=False)}
         return self.cls(self.groups.split((names[id(p)], p) for p in params), *args, **kwargs)
+
+
+def no_decay(model: nn.Module) -> list[dict[str, Any]]:
+    """``Job(param_groups=rpcmp.no_decay)``: the groups Hugging Face's Trainer gives AdamW. Weight decay on every
+    parameter but biases and normalization weights, which go in a group with ``weight_decay=0.0``: those whose name
+    says so (Trainer's patterns: ``bias``, ``layernorm``, ``rmsnorm``, a ``norm`` or ``_norm`` name part, as T5's
+    ``relative_attention_bias``) or that belong to a module whose class names a norm (``LayerNorm``,
+    ``LlamaRMSNorm``; also a ``BatchNorm2d`` called ``bn1``, as timm's rule has it). In a GPT-2, a Llama or
+    nanoGPT's own model these are the tensors of fewer than two dimensions, nanoGPT's ``configure_optimizers``
+    rule. By name, so it runs on the meta device; the optimizer's own ``weight_decay`` applies to the first group;
+    frozen parameters stay out of both."""
+    normed = {f"{m}.{n}" if m else n for m, module in model.named_modules() if "norm" in type(module).__name__.lower()
+              for n, _ in module.named_parameters(recurse=False)}
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    off = [n for n in names if n in normed or _NO_DECAY.search(n.lower())]
+    decayed = set(names) - set(off)
+    return [{"params": [n for n in names if n in decayed]}, {"params": off, "weight_decay": 0.0}]
+
+
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")  # Trainer.get_decay_parameter_names
 
 
 def plan_groups(job, model: nn.Module, optimizer: tuple | None = None) -> Groups | None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, lm_no_decay, load, run_ranks, train_reference
+from helpers import assert_close_f32, load, run_ranks, train_reference
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,7 @@ def _train(job, world_size, folder):
     from rpcmp.train.trainer import fit
     data, out = _batches(job), {}
     specs = rpcmp.Pipeline.plan(job)  # traced once on the master; each pipeline's owners build from it
-    grouped = dataclasses.replace(job, param_groups=lm_no_decay)  # AdamW keeps weight decay off biases and norms
+    grouped = dataclasses.replace(job, param_groups=rpcmp.no_decay)  # AdamW keeps weight decay off biases and norms
     for opt, sched, m in CASES:
         pipe = rpcmp.Pipeline(grouped if opt == "adamw" else job, world_size, microbatches=m, optimizer=OPTIMIZERS[opt],
                               schedule=sched, specs=specs)
@@ -93,7 +93,7 @@ def _reference(job, optimizer, data):
     try:
         torch.manual_seed(job.seed)
         model = job.model()
-        groups = lm_no_decay if optimizer is OPTIMIZERS["adamw"] else None
+        groups = rpcmp.no_decay if optimizer is OPTIMIZERS["adamw"] else None
         losses, state = train_reference(model, optimizer, job.loss, data, groups)
         model.eval()
         with torch.no_grad():

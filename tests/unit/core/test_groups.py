@@ -104,3 +104,35 @@ def test_fields_travel_per_group_and_land_on_the_local_groups_by_index():
     assert sent[-1] == {0: {"lr": 0.5}, 1: {"lr": 0.5}}
     with pytest.raises(JobError, match=r"no parameter group 2"):
         fields.set({2: {"lr": 0.1}})
+
+
+_FAMILIES = {
+    "gpt2": lambda t: t.GPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)),
+    "llama": lambda t: t.LlamaForCausalLM(t.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=64)),
+    "t5": lambda t: t.T5ForConditionalGeneration(t.T5Config(num_layers=2, d_model=32, d_ff=64, num_heads=2, d_kv=16,
+                                                            vocab_size=64)),
+    "bert": lambda t: t.BertForMaskedLM(t.BertConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                                     num_attention_heads=2, vocab_size=64)),
+}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_no_decay_gives_the_groups_hugging_face_s_trainer_gives_adamw(family):
+    transformers = pytest.importorskip("transformers")
+    from transformers.trainer import Trainer
+    model = _FAMILIES[family](transformers)
+    decayed, off = rpcmp.no_decay(model)
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(decayed["params"]) == sorted(n for n in Trainer.get_decay_parameter_names(None, model) if n in names)
+    assert off == {"params": [n for n in names if n not in decayed["params"]], "weight_decay": 0.0} and off["params"]
+    if family != "t5":  # T5's relative_attention_bias is a table, out by its name alone
+        assert off["params"] == [n for n, p in model.named_parameters() if p.dim() < 2]  # nanoGPT's rule
+
+
+def test_no_decay_keeps_norms_of_any_name_and_frozen_parameters_out():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, bias=False))
+    model[0].requires_grad_(False)
+    assert rpcmp.no_decay(model) == [{"params": ["2.weight"]}, {"params": ["1.weight", "1.bias"], "weight_decay": 0.0}]
+    plan_groups(_job(rpcmp.no_decay), _tied())  # as Job(param_groups=...) takes it
