@@ -10,6 +10,10 @@ used more than ``IDLE`` of a core for ``Job.stall_timeout`` seconds (default: 3 
 ``Job.hang_timeout``), the run says so once, naming the step and each process's id for ``py-spy
 dump``. With ``Job.stall_timeout`` given, it then ends the run as for a hung worker (exit 3); by
 default it only warns, since a forward may wait that long on purpose (an input from a slow service).
+Once a stop is asked (SIGINT, SIGTERM: [Note: stopping a run] waits for the step in flight), a step
+stalled for ``STOPPING_AFTER`` seconds ends the run at once, as ``Job.stall_timeout`` would: that step
+will not end by itself, and ``timeout 600 rpcmp run ...`` or a scheduler's preemption must not wait
+forever for it (the latest checkpoint is the one to resume from).
 A gap in the readings longer than a few seconds (the whole job stopped with SIGSTOP and continued,
 a suspended machine) starts the count again. The ``shm`` transport busy-polls, so under it no
 process is ever idle and nothing is said.
@@ -23,9 +27,12 @@ from typing import Callable
 
 import torch.distributed.rpc as rpc
 
-__all__ = ["IDLE", "Stalls", "cpu_seconds"]
+from .served import current
+
+__all__ = ["IDLE", "STOPPING_AFTER", "Stalls", "cpu_seconds"]
 
 IDLE = 0.02  # a process using less of a core than this is waiting, not working
+STOPPING_AFTER = 5.0  # seconds of a stalled step that end the run once a stop is asked
 
 
 def cpu_seconds() -> tuple[int, float]:
@@ -48,13 +55,18 @@ class Stalls:
     def check(self, workers: list[str], status, end: Callable[[str], None]) -> None:
         """Warn once, or ``end`` the run, when the step has been stalled long enough (the watchdog, each interval)."""
         stalled = self.look(workers, status)
-        if stalled == "end":
+        if stalled == "stop":
+            end("StallError: " + self.message(status, STOPPING_AFTER) + f"; a stop was asked ({_stop_asked()}) and "
+                "waits for this step, which will not end: the run ends now (--resume continues from the latest "
+                "checkpoint)")
+        elif stalled == "end":
             end("StallError: " + self.message(status))
         elif stalled == "warn":
             print("rpcmp: warning: " + self.message(status), file=sys.stderr, flush=True)
 
     def look(self, workers: list[str], status) -> str | None:
-        """``"warn"`` or ``"end"`` once the step has been stalled long enough (each once), else None."""
+        """``"warn"`` or ``"end"`` once the step has been stalled long enough (each once), ``"stop"`` once it has
+        been for ``STOPPING_AFTER`` seconds after a stop was asked, else None."""
         if not status.in_step:
             self._last, self._idle_since, self._said = None, None, False
             return None
@@ -65,14 +77,16 @@ class Stalls:
             return None
         idle = all(cpu[p] - last[1][p] < IDLE * (now - last[0]) for p in cpu)
         self._idle_since = (self._idle_since or last[0]) if idle else None
+        if self._idle_since is not None and now - self._idle_since >= STOPPING_AFTER and _stop_asked():
+            return "stop"
         if self._idle_since is None or now - self._idle_since < self.after or self._said:
             return None
         self._said = not self.ends
         return "end" if self.ends else "warn"
 
-    def message(self, status) -> str:
+    def message(self, status, after: float | None = None) -> str:
         ids = ", ".join(f"{p} pid {i}" for p, i in self.pids.items())
-        what = (f"no process has worked for {self.after:.0f}s while the step waited, and every process answers: a "
+        what = (f"no process has worked for {after or self.after:.0f}s while the step waited, and every process answers: a "
                 f"deadlock, not a lost worker (a stage's forward blocked on a lock, a queue or a read that never "
                 f"returns? a gradient no stage sends?). `py-spy dump --pid PID` shows where each waits ({ids})")
         return status.say(what)
@@ -87,3 +101,9 @@ class Stalls:
             except Exception:  # noqa: BLE001 - a worker that does not answer is the pings' to report
                 pass
         return out
+
+
+def _stop_asked() -> str | None:
+    """The signal of a stop asked on this master (see [Note: stopping a run]), or None."""
+    stop = current().stop
+    return None if stop is None else stop.name

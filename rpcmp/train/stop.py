@@ -4,20 +4,27 @@
 The first SIGINT or SIGTERM to the master lets the step in flight finish, writes a checkpoint
 (with ``--checkpoint-dir``), skips the held-out evaluation, shuts every process down cleanly and
 exits ``128 + signal`` (130, 143): the run did not finish, and ``--resume`` continues it from that
-step. A second signal to the master stops at once, as before (an owner's handed on is none: the
-same ``kill`` to every process often reaches the master after an owner's request). The master alone acts on it: an owner ignores
+step. A second signal to the master ends it at once, exit ``128 + signal``, its local workers with it
+(an owner's handed on is none: the same ``kill`` to every process often reaches the master after an
+owner's request). The signals are read on a thread of their own (``signal.set_wakeup_fd``), not by
+Python's handler: that runs only when the main thread runs Python, and a master waiting inside torch
+(a step's output, its backward) for a step that never ends never did, so neither Ctrl-C nor a second
+one did anything. A stalled step ends the run once a stop is asked ([Note: a stalled step]). The master alone acts on it: an owner ignores
 SIGINT (Ctrl-C in a terminal reaches every process of ``--local N``, which would otherwise lose a
 stage mid-step) and waits for the master's word. An owner's first SIGTERM is handed to the master
 as its own (:func:`forward_on_worker`): ``docker stop``, a Kubernetes pod's end, systemd and a
 batch scheduler's preemption send SIGTERM to every process at once, and owners that died of it left
 the master no stage to write its checkpoint with (the run failed, "stopped answering", nothing
 saved). An owner's second SIGTERM, or one the master cannot take (it is not training), ends it.
-A signal the master was started to ignore (``nohup``, a background job) stays ignored. DDP mode,
+A signal the master was started to ignore (``nohup``, a background job) stays ignored; where the
+process already reads its signals so (an asyncio loop in the main thread), the handlers act as
+Python's do, in the main thread. DDP mode,
 where every rank trains and stopping would have to be agreed by a collective each step, keeps the
 default handlers; so does a master that does not run in its process's main thread.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -36,6 +43,8 @@ class StopRequest:
         self.signum: int | None = None
         self.own = False  # this process received a signal itself (not one an owner handed on: requested)
         self._old: dict[int, object] = {}
+        self._wakeup: tuple[int, int] | None = None  # the pipe the signals are read from, and the fd it replaced
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str | None:
@@ -44,7 +53,9 @@ class StopRequest:
     def __enter__(self) -> "StopRequest":
         from ..core.served import current
         if self.enabled:  # a signal the process was started to ignore (nohup, a background job) stays ignored
-            self._old = {s: signal.signal(s, self._received) for s in _SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+            self._old = {s: signal.signal(s, self._in_main) for s in _SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
+            if self._old:
+                self._read_on_a_thread()
             current().stop = self
         return self
 
@@ -54,30 +65,63 @@ class StopRequest:
             current().stop = None
         self._restore()
 
+    def _read_on_a_thread(self) -> None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if before != -1:  # the process reads its signals already (asyncio): leave them to it, act in the main thread
+            signal.set_wakeup_fd(before)
+            os.close(read)
+            os.close(write)
+            return
+        self._wakeup = (write, before)
+        threading.Thread(target=self._reader, args=(read,), daemon=True, name="rpcmp-signals").start()
+
+    def _reader(self, read: int) -> None:
+        try:
+            while data := os.read(read, 64):  # a byte per signal, written by the C handler whatever the main thread does
+                for signum in data:
+                    if signum in self._old:
+                        self._received(signum)
+        finally:
+            os.close(read)
+
     def _restore(self) -> None:
+        if self._wakeup is not None:
+            write, before = self._wakeup
+            signal.set_wakeup_fd(before)
+            os.close(write)  # the reader reads the end and stops
+            self._wakeup = None
         for s, handler in self._old.items():
             signal.signal(s, handler)
         self._old = {}
 
-    def _received(self, signum, frame) -> None:
-        if self.own:  # its second: stop at once, the way the handler before would have
-            old = self._old.get(signum, signal.SIG_DFL)
-            self._restore()
-            if callable(old):
-                old(signum, frame)
-            else:
-                signal.raise_signal(signum)
-            return
-        # its first; an owner's, handed on before it (the same `kill` to every process), is not a first of its own
-        self.own = True
-        if self.signum is None:
-            self._take(signum, "")
+    def _in_main(self, signum, frame) -> None:
+        if self._wakeup is None:  # no reader: Python's handler acts
+            self._received(signum)
+
+    def _received(self, signum: int) -> None:
+        with self._lock:
+            second, self.own = self.own, True
+            if not second and self.signum is None:
+                self._take(signum, "")
+        if second:  # its second: at once
+            end_now(signum)
 
     def _take(self, signum: int, where: str) -> None:
         self.signum = signum
         sys.stderr.write(f"\n{signal.Signals(signum).name}{where}: stopping after the step in flight (a checkpoint is "
                          f"written where --checkpoint-dir is set); send it again to stop at once\n")
         sys.stderr.flush()
+
+
+def end_now(signum: int) -> None:
+    """A second signal: end the master now, exit ``128 + signum``, and every local worker with it."""
+    sys.stderr.write(f"\n{signal.Signals(signum).name} again: stopping at once\n")
+    sys.stderr.flush()
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(128 + signum)
 
 
 def requested(signum: int, who: str) -> bool:
@@ -87,8 +131,9 @@ def requested(signum: int, who: str) -> bool:
     stop = current().stop
     if stop is None:
         return False
-    if stop.signum is None:
-        stop._take(signum, f" to {who}")
+    with stop._lock:
+        if stop.signum is None:
+            stop._take(signum, f" to {who}")
     return True
 
 

@@ -302,12 +302,15 @@ def test_a_call_past_its_rpc_timeout_with_every_process_answering_says_so_and_wh
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("ends", [False, True], ids=["warns", "ends-with-stall-timeout"])
-def test_a_step_no_process_works_on_is_said_and_with_a_stall_timeout_ends_the_run(ends):
+@pytest.mark.parametrize("how", ["warns", "ends-with-stall-timeout", "ends-once-a-stop-is-asked"])
+def test_a_step_no_process_works_on_is_said_and_with_a_stall_timeout_ends_the_run(how):
     """tests/jobs/blocks.py: stage 1's third training forward waits forever on an event, as a forward blocked on a
     lock or a queue would; every process answers the watchdog's pings, so the run waited without a word. Now no
     process working for 3 x --hang-timeout in a step is said once, with each process's id; --stall-timeout S ends
-    the run after S idle seconds, exit 3 (see [Note: a stalled step] in rpcmp/core/stall.py)."""
+    the run after S idle seconds, exit 3 (see [Note: a stalled step] in rpcmp/core/stall.py). A SIGTERM waits for
+    the step in flight, which never ends: once one is asked, 5 idle seconds end the run (a second signal was
+    needed)."""
+    ends = how == "ends-with-stall-timeout"
     proc = Command("run", job_path("blocks"), "--local", "3", "--max-steps", "10", "--hang-timeout", "2",
                    *(["--stall-timeout", "4"] if ends else []), merged=True)
     try:
@@ -319,10 +322,16 @@ def test_a_step_no_process_works_on_is_said_and_with_a_stall_timeout_ends_the_ru
         if ends:
             assert proc.wait(30) == 3
             assert "rpcmp: error: StallError: " + said in proc.output()
-        else:
+        elif how == "warns":
             time.sleep(3)
             assert proc.poll() is None, proc.output()  # a warning: the run goes on waiting
             assert proc.output().count("rpcmp: warning: " + said) == 1, proc.output()
+        else:
+            os.kill(proc.pid, signal.SIGTERM)  # the master: stop after the step in flight, which never ends
+            assert proc.wait(30) == 3, proc.output()
+            assert "SIGTERM: stopping after the step in flight" in proc.output()
+            assert "rpcmp: error: StallError: at step 3: no process has worked for 5s" in proc.output()
+            assert "a stop was asked (SIGTERM)" in proc.output()
     finally:
         proc.kill()
     for name in ("master", "worker1", "worker2"):

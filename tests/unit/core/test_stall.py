@@ -50,3 +50,20 @@ def test_no_step_in_flight_is_never_a_stall(monkeypatch):
     clock, status = _Clock(), RunStatus()
     s = _stalls(monkeypatch, clock)
     assert all(_tick(s, clock, status) is None for _ in range(20))
+
+
+def test_once_a_stop_is_asked_a_stalled_step_ends_the_run_after_stopping_after_seconds(monkeypatch):
+    """[Note: stopping a run] waits for the step in flight; a stalled one never ends, so SIGTERM (timeout, a
+    scheduler) waited forever unless sent twice."""
+    from rpcmp.core.served import current
+    from rpcmp.train.stop import StopRequest
+    clock, status = _Clock(), RunStatus(in_step=True)
+    s = _stalls(monkeypatch, clock)
+    assert [_tick(s, clock, status) for _ in range(5)] == [None] * 5  # idle, and no stop asked
+    stop = StopRequest(enabled=False)
+    monkeypatch.setattr(current(), "stop", stop)
+    assert _tick(s, clock, status) is None  # asked for nothing yet
+    stop.signum = 15  # SIGTERM, taken
+    assert _tick(s, clock, status) == "stop"  # idle 5 s and more: the step will not end
+    s = _stalls(monkeypatch, clock)  # a step that works is waited for, stop asked or not
+    assert all(_tick(s, clock, status, busy=["worker1"]) is None for _ in range(10))
