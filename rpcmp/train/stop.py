@@ -43,7 +43,7 @@ class StopRequest:
         self.signum: int | None = None
         self.own = False  # this process received a signal itself (not one an owner handed on: requested)
         self._old: dict[int, object] = {}
-        self._wakeup: tuple[int, int] | None = None  # the pipe the signals are read from, and the fd it replaced
+        self._wakeup: tuple[int, int, int] | None = None  # the pipe's write end, the fd it replaced, its read end
         self._lock = threading.Lock()
 
     @property
@@ -74,7 +74,8 @@ class StopRequest:
             os.close(read)
             os.close(write)
             return
-        self._wakeup = (write, before)
+        self._wakeup = (write, before, read)
+        _READING.add(self)
         threading.Thread(target=self._reader, args=(read,), daemon=True, name="rpcmp-signals").start()
 
     def _reader(self, read: int) -> None:
@@ -88,10 +89,11 @@ class StopRequest:
 
     def _restore(self) -> None:
         if self._wakeup is not None:
-            write, before = self._wakeup
+            write, before, _ = self._wakeup
             signal.set_wakeup_fd(before)
             os.close(write)  # the reader reads the end and stops
             self._wakeup = None
+            _READING.discard(self)
         for s, handler in self._old.items():
             signal.signal(s, handler)
         self._old = {}
@@ -113,6 +115,26 @@ class StopRequest:
         sys.stderr.write(f"\n{signal.Signals(signum).name}{where}: stopping after the step in flight (a checkpoint is "
                          f"written where --checkpoint-dir is set); send it again to stop at once\n")
         sys.stderr.flush()
+
+
+_READING: set[StopRequest] = set()  # those whose signals a thread reads now
+
+
+def _forked() -> None:
+    """In a child forked while a run's signals are read on a thread (a user's own worker processes): the child's
+    signals are its own again. Without this, each forked child's SIGINT (Ctrl-C reaches every process of the
+    terminal's group) was written to the master's pipe and read as the master's second signal, and the child
+    ignored SIGTERM."""
+    for stop in list(_READING):
+        _, _, read = stop._wakeup
+        try:
+            stop._restore()
+            os.close(read)
+        except (OSError, ValueError):  # nothing left to give back
+            pass
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def end_now(signum: int) -> None:

@@ -94,3 +94,19 @@ def test_disabled_it_leaves_the_handlers_alone(handlers):
 def test_exit_status():
     assert exit_status({"steps": 3, "stopped": None}) == 0 and exit_status(None) == 0
     assert exit_status({"stopped": "SIGINT"}) == 130 and exit_status({"stopped": "SIGTERM"}) == 143
+
+
+def test_a_child_forked_during_a_run_has_its_own_signals(handlers, ended):
+    """A process the run forks (a user's own workers) took the master's pipe and handlers with it: Ctrl-C, which
+    reaches every process of the terminal's group, counted twice on the master (its own, and the child's written
+    to its pipe), so the first stopped it at once; and the child ignored SIGTERM."""
+    with StopRequest() as stop:
+        child = os.fork()
+        if child == 0:  # the child: SIGTERM ends it, as it would have before the run
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            os._exit(7)  # SIGTERM did not end it
+        _, status = os.waitpid(child, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+        time.sleep(0.3)
+        assert stop.signum is None and not stop.own and ended == []  # the child's signal is not the master's
