@@ -41,7 +41,7 @@ class Recomputed:
         self.module, self.lock, self.device, self.rng = module, lock, device, None
 
     def __call__(self, x: Any) -> Any:
-        if self.rng is None:  # the first pass, on the compute thread (which holds the lock)
+        if self.rng is None:  # the first pass, on the thread that runs the stage (it holds the lock)
             self.rng = self._rng()
             return self.module(x)
         with self.lock:
