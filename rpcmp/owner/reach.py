@@ -9,8 +9,13 @@ forever: the unsplit model just trains the stages before with no gradient. So th
 training forward looks for each received message in its output's graph (:func:`rpcmp.core.microbatch.unreached`); from
 then on, where one is missing, the stage's output takes the received tensors along as inputs of an
 identity (:class:`Reach`) that gives them no gradient, and the backward runs through their
-``RecvRpcBackward``, which sends zeros. The stage that sent it is told to send its output detached
-from then on (:func:`send_detached`): its parameters get no gradient, as in the unsplit model.
+``RecvRpcBackward``, which sends zeros. Where nothing the stage before sent is reached, it is told to
+send its output detached from then on (:func:`send_detached`): its parameters get no gradient, as in
+the unsplit model. A value posted from further back, or one tensor of a message whose other tensors
+are reached (a gate made from another value's sign: ``h * (g > 0)``), keeps its zeros: the stage
+before must go on sending the reached ones with their gradient (told to send detached, it left the
+stages before it untrained, and a step waited forever for the value it no longer sent a gradient of).
+Zeros leave plain SGD (momentum too) and Adam where no gradient would; weight decay acts on them.
 Where the plan runs the model on the meta device (a ``Split`` or names plan: rpcmp.plan.writes), it
 finds such a stage beforehand, and the stage before sends detached from the first step
 (``StageSpec.detached``). Otherwise what it sent before it learnt that (the first step) brought zeros
@@ -40,13 +45,16 @@ _RECV = "RecvRpcBackward"
 def reach(host, x: Any, y: Any) -> Any:
     """Stage ``host``'s training output ``y`` of input ``x``, made to reach every received input in the backward
     where the forward does not; the stage before is told to stop sending one."""
+    chain = x[0] if host.mail_in else x  # what the stage before sent (the rest was posted from further back)
     if host.cut is None:  # the stage's first training forward
         nodes = received(x, _RECV)
-        host.cut = bool(nodes) and bool(unreached(y, nodes))
+        missed = unreached(y, nodes) if nodes else []
+        host.cut = bool(missed)
+        host.cut_chain = bool(missed) and all(n in missed for n in received(chain, _RECV))
     if not host.cut:
         return y
     index = host.spec.index
-    if index and len(host.owners) >= index and received(x[0] if host.mail_in else x, _RECV):
+    if host.cut_chain and index and len(host.owners) >= index and received(chain, _RECV):
         rpc.rpc_async(current().worker(host.owners[index - 1]), send_detached, args=(host.pid, index - 1))
     return tie(y, x)
 

@@ -107,6 +107,7 @@ class StageHost:
     moved_optimizer: tuple | None = None  # a stage just moved here: its optimizer state and fields (rpcmp.owner.move)
     unchecked: int = 2  # training forwards of several micro-batches before the one that is checked (_checked_forward)
     cut: bool | None = None  # whether a received input is not in the output's backward (see [Note: an input the ...])
+    cut_chain: bool = False  # nothing of what the stage before sent is in it: that stage sends detached (.reach)
     send_detached: bool = False  # the next stage said that it takes no gradient of this stage's output (.reach)
 
     def __post_init__(self):

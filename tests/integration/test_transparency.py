@@ -158,6 +158,25 @@ def test_a_traced_stage_that_outputs_only_codes_after_a_stage_in_the_master_s_pr
     assert torch.equal(state["inp.weight"], initial["inp.weight"])  # no gradient reached it, as unsplit
 
 
+def _gated(job, world_size):
+    pipe = rpcmp.Pipeline(job, world_size)
+    out = [pipe.train_step(x, y).item() for x, y in _batches(job)], pipe.state_dict()
+    pipe.close()
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name, ranks", [("gated", 3), ("gated_post", 4)])
+def test_a_received_value_read_only_through_a_comparison_beside_a_reached_one_trains_as_the_unsplit_model(name, ranks):
+    """tests/jobs/gated.py, gated_post.py: a stage reads a value (sent with the chain, or posted past a stage) only
+    through ``g > 0`` and the chain value through differentiable ops. Any unreached message had the stage before
+    told to send its output detached: posted, the step waited forever (the stages before lost their gradient)."""
+    got = run_ranks(name, ranks, _gated, timeout=120)
+    job = load(name)
+    torch.manual_seed(job.seed)
+    assert_close_f32(got, train_reference(job.model(), job.optimizer, job.loss, _batches(job)))
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name, local, says", [
     ("frozen", "4", "stage 1 takes no gradient of stage 0's output (its forward reads it through detach, no_grad or an "
