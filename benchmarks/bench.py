@@ -367,12 +367,12 @@ def main(out, rounds, only):
     res["handwritten_ddp_mlp"] = spawn(_ddp_handwritten, 2)
     console.print("[bold]split Unet (resnet34), batch 16 of 1x128x128, 3 stages on 3 processes, M = 4; "
                   f"rpcmp and pipelining alternate, {rounds} launches each")
-    rounds = [(launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False),
-               spawn(_pipelining, 3, "unet")) for _ in range(rounds)]
-    res["rpcmp_unet"] = statistics.median(ours for ours, _ in rounds)
-    res["pipelining_unet"] = {k: statistics.median(peer[k] for _, peer in rounds) for k in rounds[0][1]}
-    res["unet_ratio_per_round"] = [ours / min(peer.values()) for ours, peer in rounds]
-    res["unet_rounds"] = [{"rpcmp": ours, "pipelining": peer} for ours, peer in rounds]
+    unet = [(launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False),
+             spawn(_pipelining, 3, "unet")) for _ in range(rounds)]
+    res["rpcmp_unet"] = statistics.median(ours for ours, _ in unet)
+    res["pipelining_unet"] = {k: statistics.median(peer[k] for _, peer in unet) for k in unet[0][1]}
+    res["unet_ratio_per_round"] = [ours / min(peer.values()) for ours, peer in unet]
+    res["unet_rounds"] = [{"rpcmp": ours, "pipelining": peer} for ours, peer in unet]
     res["rpcmp_unet_shm"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
                                          overrides={"transport": "shm"})
     res["rpcmp_unet_recompute"] = launch_local(os.path.join(JOBS, "unet.py"), 3, _rpcmp_unet, master_in_process=False,
