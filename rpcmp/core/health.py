@@ -38,7 +38,7 @@ from ..errors import CallTimeoutError, StageError, WorkerLostError
 from .served import RunStatus, current
 from .stall import Stalls
 
-__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "explain", "explained", "unless_lost", "unresponsive", "watch",
+__all__ = ["WorkerLostError", "Watchdog", "Heartbeats", "end_run", "explain", "explained", "unless_lost", "unresponsive", "watch",
            "answer_watches"]
 
 GRACE = 10.0  # seconds the master has to report a dead worker before the watchdog does
@@ -214,11 +214,11 @@ def explained(explain):
         raise better from exc
 
 
-def _end_run(text: str) -> None:  # the master, now (exit 3), and every local worker with it, even a stopped one
-    print("rpcmp: error: " + text, file=sys.stderr, flush=True)
-    for child in multiprocessing.active_children():
+def end_run(line: str, code: int = 3) -> None:  # say it; this process ends now, every local worker with it
+    print(line, file=sys.stderr, flush=True)
+    for child in multiprocessing.active_children():  # even a stopped one
         child.kill()
-    os._exit(3)
+    os._exit(code)
 
 
 class Watchdog(threading.Thread):
@@ -240,7 +240,7 @@ class Watchdog(threading.Thread):
         while not self._halt.wait(self.interval):
             pings = _pings([w for w in self.workers if w not in self.fenced and w not in self.gone], self.timeout)
             if self.stalls is not None and not self._halt.is_set():  # see [Note: a stalled step] in rpcmp/core/stall.py
-                self.stalls.check([w for w, why in pings.items() if not why], self.status, _end_run)
+                self.stalls.check([w for w, why in pings.items() if not why], self.status, end_run)
             if self.fence:
                 for w in [w for w, why in pings.items() if why and not self._halt.is_set()]:
                     self._fence(w)
@@ -257,7 +257,7 @@ class Watchdog(threading.Thread):
                     silent, f"did not answer for {self.timeout:.0f}s (hung or unreachable; Job.hang_timeout)")]
                 why += [] if not dead else [self.status.describe(
                     dead, "exited (its connections closed)")]
-                _end_run("WorkerLostError: " + "; ".join(why))
+                end_run("rpcmp: error: WorkerLostError: " + "; ".join(why))
 
     def _fence(self, worker: str) -> None:
         self.fenced.add(worker)
@@ -331,7 +331,7 @@ class Heartbeats(threading.Thread):
             last = time.monotonic()  # a round may wait for the store: only the wait between rounds is a gap
             if lost and not self._halt.is_set():
                 names = [f"worker{r}" if r else "master" for r in lost]
-                _end_run("WorkerLostError: " + self.status.describe(names, how))
+                end_run("rpcmp: error: WorkerLostError: " + self.status.describe(names, how))
 
     def _fresh(self, now: float) -> None:
         """Every rank, and the store, get a whole ``timeout`` from ``now`` (this process was stopped)."""

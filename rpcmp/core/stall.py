@@ -56,11 +56,11 @@ class Stalls:
         """Warn once, or ``end`` the run, when the step has been stalled long enough (the watchdog, each interval)."""
         stalled = self.look(workers, status)
         if stalled == "stop":
-            end("StallError: " + self.message(status, STOPPING_AFTER) + f"; a stop was asked ({_stop_asked()}) and "
+            end("rpcmp: error: StallError: " + self.message(status, STOPPING_AFTER) + f"; a stop was asked ({_stop_asked()}) and "
                 "waits for this step, which will not end: the run ends now (--resume continues from the latest "
                 "checkpoint)")
         elif stalled == "end":
-            end("StallError: " + self.message(status))
+            end("rpcmp: error: StallError: " + self.message(status))
         elif stalled == "warn":
             print("rpcmp: warning: " + self.message(status), file=sys.stderr, flush=True)
 

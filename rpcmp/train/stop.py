@@ -24,7 +24,6 @@ default handlers; so does a master that does not run in its process's main threa
 """
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import sys
@@ -139,11 +138,8 @@ os.register_at_fork(after_in_child=_forked)
 
 def end_now(signum: int) -> None:
     """A second signal: end the master now, exit ``128 + signum``, and every local worker with it."""
-    sys.stderr.write(f"\n{signal.Signals(signum).name} again: stopping at once\n")
-    sys.stderr.flush()
-    for child in multiprocessing.active_children():
-        child.kill()
-    os._exit(128 + signum)
+    from ..core.health import end_run
+    end_run(f"\n{signal.Signals(signum).name} again: stopping at once", 128 + signum)
 
 
 def requested(signum: int, who: str) -> bool:
