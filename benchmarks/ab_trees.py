@@ -2,7 +2,7 @@
 alternating launches of the bench's own MLP or split-Unet step (M=4 unless ``--microbatches``).
 
     git worktree add /tmp/before <commit>
-    .venv/bin/python benchmarks/ab_trees.py /tmp/before . --rounds 4 [--job unet] [--replicas 2]
+    .venv/bin/python benchmarks/ab_trees.py /tmp/before . --rounds 4 [--job unet] [--replicas 2] [--schedule 1f1b]
 
 Each launch runs in a fresh interpreter with ``PYTHONPATH`` set to its tree (benchmarks/trees.py), so the tree's
 own ``rpcmp`` is the one imported (and the tree's own ``benchmarks/bench.py`` measures).
@@ -56,7 +56,7 @@ def main(job, world):
     return seconds
 
 if __name__ == "__main__":
-    overrides = {}
+    overrides = {"schedule": os.environ["AB_SCHEDULE"]} if os.environ.get("AB_SCHEDULE") else {}
     world = 2 if sys.argv[2] == "mlp" else 3
     if len(sys.argv) > 5:  # the grid bench's 2 x 2 layout
         world, overrides = 4, {"replicas": int(sys.argv[5]), "threads": 1, "microbatches": int(sys.argv[4])}
@@ -72,7 +72,9 @@ if __name__ == "__main__":
 @click.option("--rounds", type=int, default=4, show_default=True)
 @click.option("--replicas", type=int, default=1, show_default=True, help="2: 2 replicas x 2 stages on 4 processes.")
 @click.option("--microbatches", type=int, default=4, show_default=True)
-def main(trees, job, rounds, replicas, microbatches):
+@click.option("--schedule", type=click.Choice(["overlap", "1f1b", "gpipe"]), default=None,
+              help="The jobs' own schedule unless given.")
+def main(trees, job, rounds, replicas, microbatches, schedule):
     times = {t: [] for t in trees}
     launcher = os.path.join(tempfile.mkdtemp(), "launch.py")  # a file: spawned children re-import the main module
     with open(launcher, "w") as f:
@@ -84,7 +86,7 @@ def main(trees, job, rounds, replicas, microbatches):
             grid = [str(replicas)] if replicas > 1 else []
             out = subprocess.run([sys.executable, launcher, tree_abs, "mlp" if job == "mlp" else "unet", job_file, str(microbatches), *grid],
                                  capture_output=True, text=True,
-                                 cwd=tree_abs, timeout=600, env=tree_env(tree_abs))
+                                 cwd=tree_abs, timeout=600, env={**tree_env(tree_abs), "AB_SCHEDULE": schedule or ""})
             found = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
             if not found:
                 raise click.ClickException(f"{tree}: no result\n{out.stderr[-2000:]}")

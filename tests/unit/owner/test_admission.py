@@ -89,3 +89,54 @@ def test_a_failed_step_cancels_what_has_not_entered_and_a_reset_forgets_it():
     gate.reset(3)
     gate.cancel([1])  # an old number changes nothing
     assert gate.enter(3) == {}
+
+
+def test_a_bounded_step_runs_forward_i_once_the_backward_of_i_minus_the_window_has_passed():
+    """schedule="1f1b" on a stage of window 2: micro-batches 10 and 11 (the step's first two) run at once, 12 once
+    10's backward has left the stage, 13 once 11's; a later step's micro-batches are not held by this one's."""
+    gate, ran = InOrder("stage 0", timeout=10), []
+    gate.bound(10, 4, 2)
+    gate.next = 10
+    threads = _run_all(gate, [10, 11, 12, 13], ran)
+    time.sleep(0.1)
+    assert ran == [10, 11]
+    gate.passed(11)  # out of order: 12 still waits for 10
+    time.sleep(0.1)
+    assert ran == [10, 11]
+    gate.passed(10)
+    for t in threads:
+        t.join(10)
+    assert ran == [10, 11, 12, 13] and gate.next == 14
+    _run_all(gate, [14], ran)[0].join(10)  # the next step's first: no bound of this step's holds it
+    assert ran[-1] == 14
+
+
+def test_a_forward_held_for_a_backward_is_cancelled_with_its_step_and_a_backward_that_never_comes_is_said():
+    gate = InOrder("stage 0 (enc) on worker1", timeout=0.3)
+    gate.bound(0, 4, 1)
+    gate.enter(0)
+    gate.leave(0)
+    with pytest.raises(StageError, match=r"waited 0s for the backward of micro-batch 0 before the forward of 1 "
+                                         r"\(schedule '1f1b'\); its gradient never came back"):
+        gate.enter(1)
+    gate.reset(1)
+    gate.bound(1, 5, 1)  # micro-batches 1-5
+    gate.enter(1)
+    gate.leave(1)
+    errors = []
+
+    def held():
+        try:
+            gate.enter(2)
+        except StepCancelled as exc:
+            errors.append(exc)
+    t = threading.Thread(target=held)
+    t.start()
+    time.sleep(0.1)
+    gate.cancel([2])  # the step failed elsewhere while 2 waited for 1's backward
+    t.join(10)
+    assert not t.is_alive() and len(errors) == 1
+    gate.enter(3)  # a micro-batch that never ran here has no backward to wait for: 3 is not held by 2
+    gate.leave(3)
+    gate.skip(4)  # lost upstream
+    gate.enter(5)
