@@ -278,7 +278,7 @@ def _schedule_table(job, stages: int, whole_batch: bool, spec) -> Table:
     from ..plan.writes import whole_batch_note
     step = make_plan(job.schedule, 1 if whole_batch else job.microbatches, stages)
     table = Table(title=f"schedule {step.name.value!r}: one step of {step.microbatches} micro-batches over {stages} stages")
-    for col in ("micro-batch", "forward", "backward", "gradients"):
+    for col in ("micro-batch", "enters", "backward", "gradients"):
         table.add_column(col)
     for row in step.rows():
         table.add_row(*row)

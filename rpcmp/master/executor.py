@@ -1,8 +1,7 @@
 """One optimizer step of any :class:`rpcmp.plan.schedule.Plan`, on the master.
 
 Every micro-batch is driven from its own thread in its own distributed-autograd context
-(:class:`_MicroBatches`), all entering at once (a stage holds a forward where the plan's window says:
-:meth:`rpcmp.owner.admission.InOrder.bound`); with a loss per micro-batch its loss
+(:class:`_MicroBatches`): it enters when the plan says; with a loss per micro-batch its loss
 and backward start as soon as its output arrives, with the loss on the gathered batch (gpipe)
 once every output has arrived; its gradients are added into the first context's in the plan's
 merge order. See [Note: one context per micro-batch] in :mod:`rpcmp.master.pipeline` for why.
@@ -140,7 +139,7 @@ class _MicroBatches:
     def run(self) -> torch.Tensor:
         pipe = self.pipe
         if pipe.optimizer is not None:
-            pipe.sync.begin(pipe, self.seqs[0], len(self.xs), self.plan.window)
+            pipe.sync.begin(pipe, self.seqs[0], len(self.xs))
         if len(self.xs) == 1:
             self._alone()
         else:
@@ -195,6 +194,10 @@ class _MicroBatches:
 
     def _micro(self, i: int) -> None:
         try:
+            if self.plan.admit_after[i] is not None:  # 1f1b: at most S micro-batches in flight
+                self.merged[self.plan.admit_after[i]].wait()
+                if self.errors:
+                    return  # the step failed meanwhile: this one is not started
             with dist_autograd.context() as ctx:
                 self.ctx_ids[i] = ctx
                 self._forward_backward(i, ctx)

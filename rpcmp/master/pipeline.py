@@ -16,14 +16,13 @@ distributed-autograd context, driven by its own thread on the master: its loss a
 ``dist_autograd.backward`` start the moment its output arrives, while later
 micro-batches are still in the forward pass (1F1B-style overlap of forward and backward
 across stages). All M forwards are issued at once, so activation memory is that of
-GPipe. ``schedule="1f1b"`` bounds it as 1F1B does: all M are sent at once, and stage k runs
-micro-batch i's forward once its own backward of i - (S - k) has left it (its gate,
-:meth:`rpcmp.owner.admission.InOrder.bound`), so at most S - k hold activations on stage k.
-Admitting i at the master once i - S had left every stage put a round trip to the master
-between a stage's backward and its next forward (figures: benchmarks/PERFORMANCE.md, design
-measurements). A stage without parameters learns no backward's end and runs its forwards at
-once; a posting stage counts a backward as passed when its output's gradient has come back.
-Each context's backward is an independent graph task on every stage, so
+GPipe. ``schedule="1f1b"`` bounds it as 1F1B does: micro-batch i enters the pipeline
+only when micro-batch i - S has left every stage (its backward and gradient merge are
+done), so at most S micro-batches hold activations on any stage: less memory for a
+little more step time. Holding instead stage k's forward of micro-batch i
+until its own backward of i - (S - k) has passed, a strict 1F1B order on every stage,
+was slower: the last stage then alternates forward and backward and every latency
+between them lies on the critical path. Each context's backward is an independent graph task on every stage, so
 gradients flow upstream one micro-batch at a time. Within one shared context the
 autograd engine orders nodes by per-thread sequence numbers and runs the nodes that
 received activations over RPC last, so every stage finished all M backward passes before

@@ -32,11 +32,9 @@ class LocalMerge:
     def __init__(self):
         self.told: list[str] = []  # owners told of each micro-batch's end; the others, of the last one's only
 
-    def begin(self, pipe, first_seq: int, count: int, window: tuple = ()) -> None:
-        """The owners learn the step's micro-batches before they arrive, and each stage how far its forwards may
-        run ahead of its backward (the plan's ``window``)."""
+    def begin(self, pipe, first_seq: int, count: int) -> None:
         if count > 1:
-            told = call_each(pipe.param_owners, grads.begin_merge, (pipe.pid, first_seq, count, window))
+            told = call_each(pipe.param_owners, grads.begin_merge, (pipe.pid, first_seq, count))
             self.told = [o for o, needs in zip(pipe.param_owners, told) if needs]
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:
@@ -60,11 +58,12 @@ class ReplicaReduce:
         self.reached = False  # this step's gradients are averaged: from here on the optimizer may change the stages
         self.told: list[str] = []  # as LocalMerge's
 
-    def begin(self, pipe, first_seq: int, count: int, window: tuple = ()) -> None:
-        """As :meth:`LocalMerge.begin` (see [Note: the average overlaps the backward] in rpcmp/owner/reduce.py)."""
+    def begin(self, pipe, first_seq: int, count: int) -> None:
+        """The owners learn the step's micro-batches before they arrive (see [Note: the average overlaps
+        the backward] in rpcmp/owner/reduce.py)."""
         fn = live.begin if self.mark else grads.begin_reduce
         owners = sorted(set(pipe.owners)) if self.mark else pipe.param_owners
-        needs = call_each(owners, fn, (pipe.pid, first_seq, count, window))
+        needs = call_each(owners, fn, (pipe.pid, first_seq, count))
         self.told = [o for o, n in zip(owners, needs) if n and o in pipe.param_owners]
 
     def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:

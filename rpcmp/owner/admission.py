@@ -5,9 +5,7 @@ The master numbers micro-batches (``seq``). A stage runs ``seq`` only after ever
 one has run or been skipped (it failed upstream and will never come), so BatchNorm
 statistics and timings are deterministic. A traced stage may also wait for values an
 earlier stage posts straight to it (see [Note: skip values go straight to their consumer]
-in :mod:`rpcmp.plan.traced`); they are kept here by ``seq`` until it runs. With ``schedule="1f1b"`` a
-stage also holds a step's forward of micro-batch i until i - W's backward has left it (:meth:`InOrder.bound`:
-the plan's window, see [Note: one context per micro-batch] in :mod:`rpcmp.master.pipeline`).
+in :mod:`rpcmp.plan.traced`); they are kept here by ``seq`` until it runs.
 """
 from __future__ import annotations
 
@@ -27,23 +25,15 @@ class InOrder:
         self._skipped: set[int] = set()
         self._cancelled: set[int] = set()
         self._mail: dict[int, dict] = {}
-        self._window: tuple[int, int, int | None] = (0, 0, None)  # this step's first micro-batch, count, window
-        self._passed: set[int] = set()  # micro-batches whose backward has left the stage (or that will have none)
         self._cond = threading.Condition()
 
     def enter(self, seq: int) -> dict:
         """Wait until it is ``seq``'s turn (and its posted values are here); return those values."""
         with self._cond:
-            if not self._cond.wait_for(lambda: (self.next >= seq and self._ahead(seq)) or seq in self._cancelled,
-                                       timeout=self.timeout):
-                if self.next >= seq:
-                    raise StageError(f"{self.who} waited {self.timeout:.0f}s for the backward of micro-batch "
-                                     f"{seq - self._window[2]} before the forward of {seq} (schedule '1f1b'); "
-                                     f"its gradient never came back")
+            if not self._cond.wait_for(lambda: self.next >= seq or seq in self._cancelled, timeout=self.timeout):
                 raise StageError(f"{self.who} waited {self.timeout:.0f}s for micro-batch {self.next} before {seq}; "
                                  f"an earlier micro-batch was lost upstream")
             if seq in self._cancelled:  # not run, and no later one waits for it
-                self._passed.add(seq)
                 self._skipped.add(seq)
                 self._advance()
                 raise StepCancelled(f"{self.who}: micro-batch {seq} not run, its step failed elsewhere")
@@ -62,28 +52,9 @@ class InOrder:
             self.next = max(self.next, seq + 1)
             self._advance()
 
-    def bound(self, first: int, count: int, window: int | None) -> None:
-        """A step of ``count`` micro-batches from ``first`` on: its micro-batch i runs here once i - ``window``'s
-        backward has left this stage (:meth:`passed`); None: at once."""
-        with self._cond:
-            self._window = (first, count, window)
-            self._passed.clear()
-            self._cond.notify_all()
-
-    def passed(self, seq: int) -> None:
-        """Micro-batch ``seq``'s backward has left this stage, or it will have none here."""
-        with self._cond:
-            self._passed.add(seq)
-            self._cond.notify_all()
-
-    def _ahead(self, seq: int) -> bool:
-        first, count, window = self._window
-        return window is None or not first + window <= seq < first + count or seq - window in self._passed
-
     def skip(self, seq: int) -> None:
         """Micro-batch ``seq`` failed before reaching this stage: later ones must not wait for it."""
         with self._cond:
-            self._passed.add(seq)
             if seq >= self.next:
                 self._skipped.add(seq)
                 self._advance()
@@ -109,7 +80,6 @@ class InOrder:
             self._skipped.clear()
             self._cancelled.clear()
             self._mail.clear()
-            self._window, self._passed = (0, 0, None), set()
             self._cond.notify_all()
 
     def _advance(self) -> None:

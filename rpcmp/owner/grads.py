@@ -27,28 +27,17 @@ def _where(host: StageHost) -> str:
     return f"stage {host.spec.index} ({host.spec.name}) on {current().me}"
 
 
-def begin_merge(pid: int, first_seq: int, count: int, window: tuple = ()) -> bool:
+def begin_merge(pid: int, first_seq: int, count: int) -> bool:
     """A training step of one pipeline begins: its ``count`` micro-batches from ``first_seq`` on, each
-    in its own context; every stage here merges them as their backward leaves it, and stage k runs
-    micro-batch i's forward once i - ``window[k]``'s backward has left it (see [Note: one context per
-    micro-batch] in rpcmp/master/pipeline.py). True: the master must say when each micro-batch's whole
-    backward is done, since a stage here may not learn it itself (see [Note: a pipeline's merges where
-    its gradients are made] in rpcmp/owner/reduce.py)."""
+    in its own context; every stage here merges them as their backward leaves it. True: the master
+    must say when each micro-batch's whole backward is done, since a stage here may not learn it
+    itself (see [Note: a pipeline's merges where its gradients are made] in rpcmp/owner/reduce.py)."""
     hosts = current().hosts_of(pid)
     for host in hosts:
         params = _trainable(host)
         _drop_last(host)
-        host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts,
-                                passed=host.gate.passed) if params else None
-        _bound(host, first_seq, count, window)
+        host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts) if params else None
     return _needs_word(hosts)
-
-
-def _bound(host: StageHost, first_seq: int, count: int, window: tuple) -> None:
-    """Hold this step's forwards on ``host`` behind its backward by the plan's ``window``; a stage with no
-    parameters learns no backward's end (nothing of its own to merge) and runs its forwards at once."""
-    ahead = window[host.spec.index] if host.reduce is not None and host.spec.index < len(window) else None
-    host.gate.bound(first_seq, count, ahead)
 
 
 def _drop_last(host: StageHost) -> None:
@@ -64,7 +53,7 @@ def _needs_word(hosts: list[StageHost]) -> bool:
             or any(h.place.process == MASTER and h.next_process is not None for h in hosts))
 
 
-def begin_reduce(pid: int, first_seq: int, count: int, window: tuple = ()) -> bool:
+def begin_reduce(pid: int, first_seq: int, count: int) -> bool:
     """A training step of a copy of a replicated pipeline begins (``Job(replicas=R)``): its ``count``
     micro-batches from ``first_seq`` on, each in its own context. True as for :func:`begin_merge`.
     See [Note: the average overlaps the backward] in rpcmp/owner/reduce.py."""
@@ -78,9 +67,7 @@ def begin_reduce(pid: int, first_seq: int, count: int, window: tuple = ()) -> bo
         count_reduce(host)
         group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, _where(host), group, group.size(), first_seq, count,
-                                 hook=not host.posts, stats=running_stats(host.module, host.spec),
-                                 passed=host.gate.passed)
-        _bound(host, first_seq, count, window)
+                                 hook=not host.posts, stats=running_stats(host.module, host.spec))
     return _needs_word(hosts)
 
 

@@ -27,7 +27,7 @@ from .state import rng_state, set_rng_state
 __all__ = ["begin", "unmark", "regroup"]
 
 
-def begin(pid: int, first_seq: int, count: int, window: tuple = ()) -> bool:
+def begin(pid: int, first_seq: int, count: int) -> bool:
     """A step of a copy begins: mark its buffers and generators, then start the step's average
     (:func:`rpcmp.owner.grads.begin_reduce`, whose answer this is)."""
     served = current()
@@ -35,7 +35,7 @@ def begin(pid: int, first_seq: int, count: int, window: tuple = ()) -> bool:
         buffers = {h.spec.index: {n: b.detach().clone() for n, b in h.module.named_buffers()}
                    for h in served.hosts_of(pid)}
     served.marks[pid] = (buffers, rng_state())
-    return grads.begin_reduce(pid, first_seq, count, window)
+    return grads.begin_reduce(pid, first_seq, count)
 
 
 def unmark(pid: int) -> None:

@@ -113,10 +113,8 @@ class StepMerge:
     first one's context as each backward leaves the stage, in micro-batch order (see [Note: the
     average overlaps the backward] and [Note: a pipeline's merges where its gradients are made])."""
 
-    def __init__(self, params: dict[str, torch.Tensor], where: str, first_seq: int, count: int, hook: bool,
-                 passed=None):
+    def __init__(self, params: dict[str, torch.Tensor], where: str, first_seq: int, count: int, hook: bool):
         self.names, self.params = list(params), list(params.values())
-        self.passed = passed  # told each micro-batch (by its number) whose backward has left the stage, or one has none
         self._mine = set(self.params)
         self._base: dict | None = None  # the first context's gradients, read once
         self.where = where
@@ -140,26 +138,14 @@ class StepMerge:
         needing = [t for t in tensors(output) if t.requires_grad]
         if not needing:
             self.empty.add(i)  # sent on without a gradient (rpcmp.owner.reach): its backward never comes here
-            self._passed(i)
-        if self.hook:
-            self.contexts[i] = dist_autograd._current_context()._context_id()
-        if self.hook or self.passed is not None:
-            for t in needing:
-                t.register_hook(partial(self._arrived, i))
+        if not self.hook:
+            return
+        self.contexts[i] = dist_autograd._current_context()._context_id()
+        for t in needing:
+            t.register_hook(partial(self._arrived, i))
 
     def _arrived(self, i: int, grad: torch.Tensor) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(partial(self._left_here, i))
-
-    def _left_here(self, i: int) -> None:
-        """This process's part of micro-batch ``i``'s backward is done (a posting stage's part that its output
-        carries: what it posted may come back later; the master says when it has)."""
-        self._passed(i)
-        if self.hook:
-            self.left(i, None, True)
-
-    def _passed(self, i: int) -> None:
-        if self.passed is not None:
-            self.passed(self.first + i)
+        torch.autograd.Variable._execution_engine.queue_callback(partial(self.left, i, None, True))
 
     # -- micro-batches done, from the backward or from the master ---------------------------
     def left(self, upto: int, contexts: list[int] | None = None, by_backward: bool = False) -> None:
@@ -221,8 +207,8 @@ class StepReduce(StepMerge):
     copies (see [Note: the average overlaps the backward])."""
 
     def __init__(self, params: dict[str, torch.Tensor], where: str, group, copies: int,
-                 first_seq: int, count: int, hook: bool, stats: list[torch.Tensor] = (), passed=None):
-        super().__init__(params, where, first_seq, count, hook, passed)
+                 first_seq: int, count: int, hook: bool, stats: list[torch.Tensor] = ()):
+        super().__init__(params, where, first_seq, count, hook)
         self.stats = list(stats)  # running statistics: every copy takes copy 0's (see [Note: one copy's statistics])
         self.group, self.copies = group, copies
         self.flat = self.work = None

@@ -1,8 +1,8 @@
 """Micro-batch schedules as data.
 
 A :class:`Plan` says everything the executor (:mod:`rpcmp.master.executor`) does differently from
-one schedule to another: the loss on the gathered batch or per micro-batch, when each stage
-runs each micro-batch's forward, and the order in which micro-batch gradients are added
+one schedule to another: the loss on the gathered batch or per micro-batch, when each
+micro-batch enters the pipeline, and the order in which micro-batch gradients are added
 together (every micro-batch has a distributed-autograd context of its own). It is built
 without processes (:func:`make_plan`), printed by ``rpcmp plan --schedule S -m M`` and
 checked by unit tests; the executor runs any plan. Why each schedule is what it is:
@@ -40,28 +40,26 @@ class Plan:
     microbatches: int
     stages: int
     loss: Loss
-    # every micro-batch enters the pipeline at once; stage k runs micro-batch i's forward once i - window[k]'s
-    # backward has left it (None: at once)
-    window: tuple[int | None, ...]
+    # micro-batch i enters the pipeline at once (None) or when micro-batch admit_after[i]'s gradients are merged
+    admit_after: tuple[int | None, ...]
     # (i, into): micro-batch i's gradients are added into micro-batch ``into``'s context, one pair after the other
     merges: tuple[tuple[int, int], ...]
 
     @property
     def in_flight(self) -> int:
         """Most micro-batches that hold activations on a stage at once."""
-        return max(min(self.microbatches, self.microbatches if w is None else w) for w in self.window)
+        waiting = [i for i, a in enumerate(self.admit_after) if a is not None]
+        return self.microbatches if not waiting else min(waiting)
 
     def rows(self) -> list[tuple[str, str, str, str]]:
-        """One row per micro-batch: (micro-batch, its forward, its backward, its gradients)."""
+        """One row per micro-batch: (micro-batch, enters, its backward, its gradients)."""
         into = dict(self.merges)
         rows = []
-        for i in range(self.microbatches):
-            held = [f"stage {k} once {i - w}'s backward has left it" for k, w in enumerate(self.window)
-                    if w is not None and i >= w]
-            forward = "at once" if not held else "; ".join(held)
+        for i, after in enumerate(self.admit_after):
+            enters = "at once" if after is None else f"when {after}'s gradients are merged"
             backward = "when every output has arrived" if self.loss is Loss.GATHERED else "as soon as its output arrives"
             grads = "its context is the step's" if i not in into else f"added into {into[i]}'s, after {i - 1}'s"
-            rows.append((str(i), forward, backward, grads))
+            rows.append((str(i), enters, backward, grads))
         return rows
 
 
@@ -75,10 +73,9 @@ def make_plan(name: str, microbatches: int, stages: int) -> Plan:
         raise ValueError(f"a plan needs at least one micro-batch and one stage, got {microbatches} and {stages}")
     m = microbatches
     merges = tuple((i, 0) for i in range(1, m))
-    at_once = (None,) * stages
     if name is Schedule.GPIPE:
-        return Plan(name, m, stages, Loss.GATHERED, at_once, merges)
+        return Plan(name, m, stages, Loss.GATHERED, (None,) * m, merges)
     if name is Schedule.OVERLAP:
-        return Plan(name, m, stages, Loss.MICRO_BATCH, at_once, merges)
-    # 1f1b: stage k runs forward i once backward i - (S - k) has left it, so at most S - k hold activations there
-    return Plan(name, m, stages, Loss.MICRO_BATCH, tuple(stages - k for k in range(stages)), merges)
+        return Plan(name, m, stages, Loss.MICRO_BATCH, (None,) * m, merges)
+    # 1f1b: micro-batch i enters when i - S has left every stage, so at most S hold activations
+    return Plan(name, m, stages, Loss.MICRO_BATCH, tuple(i - stages if i >= stages else None for i in range(m)), merges)

@@ -58,7 +58,7 @@ def test_plan_prints_the_schedules_plan():
     assert result.exit_code == 0, result.output
     assert "schedule '1f1b': one step of 4 micro-batches over 3 stages" in result.output
     text = " ".join(result.output.split())  # the caption wraps
-    assert "stage 0 once 0's backward has left it" in text and "at most 3 micro-batches hold activations" in text
+    assert "when 0's gradients are merged" in text and "at most 3 micro-batches hold activations" in text
 
 
 def test_the_command_line_modules_import_no_torch():

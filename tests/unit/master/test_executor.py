@@ -25,8 +25,8 @@ class _Recorder(LocalMerge):
         super().__init__()
         self.events = events
 
-    def begin(self, pipe, first_seq, count, window=()):
-        self.events.append(("begin", first_seq, count, window))
+    def begin(self, pipe, first_seq, count):
+        pass
 
     def merge(self, pipe, ctx_ids, i, into, ran=True):
         self.events.append(("merge", i, into, ctx_ids[into]))
@@ -120,8 +120,6 @@ def _batch(n=7):
 @pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
 @pytest.mark.parametrize("m, stages", [(1, 2), (4, 2), (6, 3), (5, 5)])
 def test_a_context_per_micro_batch_enters_merges_and_steps_as_its_plan_says(fake, schedule, m, stages):
-    """Every micro-batch enters at once; 1f1b's bound is the stages' (rpcmp.owner.admission.InOrder.bound), told
-    the plan's window as the step begins."""
     plan = make_plan(schedule, m, stages)
     for seed in range(3):  # answers arrive in another order each time
         pipe = fake(stages, seed=seed)
@@ -135,8 +133,13 @@ def test_a_context_per_micro_batch_enters_merges_and_steps_as_its_plan_says(fake
         step = kinds.index("step")
         assert step == len(kinds) - 1 and pipe.events[step][2] == pytest.approx(loss.item())
         assert len({e[3] for e in pipe.events if e[0] == "merge"}) <= 1  # all into the first micro-batch's context
+        assert pipe.most_in_flight <= plan.in_flight
         assert pipe.alone == {m == 1}  # the owners run a step's only micro-batch on their RPC thread
-        assert pipe.events[0] == ("begin", pipe.seqs0, m, plan.window)  # before any micro-batch enters
+        for i, after in enumerate(plan.admit_after):  # 1f1b: i enters once i - S is merged
+            if after is not None:
+                done = ("merge", after) if after else ("backward", 0)  # micro-batch 0 is merged into by the rest
+                merged = next(k for k, e in enumerate(pipe.events) if e[:2] == done)
+                assert merged < pipe.events.index(("enter", i)), (i, after, pipe.events)
 
 
 @pytest.mark.parametrize("m", [1, 4])
@@ -183,14 +186,14 @@ def test_a_lost_owner_is_the_failure_reported_before_what_its_loss_made_others_f
 @pytest.mark.parametrize("schedule", ["overlap", "1f1b", "gpipe"])
 def test_the_first_failure_cancels_the_rest_and_is_the_one_reported(fake, schedule):
     # micro-batch 1 fails first; the others answer later and are cancelled by then: the step reports 1's own
-    # failure, not 0's cancellation (every schedule sends all four at once: 1f1b's bound is the stages')
+    # failure, not 0's cancellation; with 1f1b, 2 and 3 (admitted after 0's and 1's merges) never start
     pipe = fake(2, fail={1}, delays={0: 0.3, 1: 0.0, 2: 0.3, 3: 0.3})
     x, y = _batch(8)
     with pytest.raises(RuntimeError, match="stage 1 failed on micro-batch 1$"):
         executor.run_step(pipe, schedule, x, y, 4)
     assert pipe.cancelled == {0, 2, 3}
     entered = {e[1] for e in pipe.events if e[0] == "enter"}
-    assert entered == {0, 1, 2, 3}
+    assert entered == ({0, 1} if schedule == "1f1b" else {0, 1, 2, 3})
     assert not [e for e in pipe.events if e[0] == "step"] and pipe.resyncs == 1
 
 
