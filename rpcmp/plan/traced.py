@@ -261,14 +261,17 @@ def check_any_batch_size(pipe, example: Any) -> tuple[str, ...]:
     fixed size, as ``nn.MultiheadAttention`` does): the stages also run a whole batch (BatchNorm),
     a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation. Returns the
     model's outputs whose samples meet (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from ..core.microbatch import batch_size
     from .writes import batch_sized, one_more
     n = batch_size(example)
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             stages = [stage_module(pipe, i) for i in range(pipe.num_stages)]
-            out = run_stages(stages, pytree.tree_map(mode.from_tensor, example))
+            try:
+                out = run_stages(stages, pytree.tree_map(mode.from_tensor, example))
+            except DataDependentOutputException:  # a graph that reads values (a router's .item()): not known here
+                return ()
             try:
                 bigger = run_stages(stages, pytree.tree_map(mode.from_tensor, one_more(example)))
             except Exception as exc:  # noqa: BLE001 - any failure here is the same finding

@@ -344,3 +344,30 @@ def test_a_dict_batch_of_the_models_own_arguments_is_refused_with_the_wrapper_to
              "extra": torch.ones(4)}  # a key forward takes only through **kwargs
     with pytest.raises(rpcmp.PartitionError, match=r"arrive as 'input_ids'\. Wrap the model: .*self\.m\(\*\*batch\)"):
         plan_stages(job, batch)
+
+
+def test_a_mixture_of_experts_that_reads_its_router_s_counts_is_cut_and_runs_as_the_unsplit_model():
+    """JetMoE's experts split their rows by counts read from the router (``.item()``): the check that the traced
+    graph takes any batch size runs on fake tensors, which hold no values, and stopped the plan with
+    ``DataDependentOutputException``; such a graph is not checked, and the stages equal the unsplit model."""
+    import transformers as T
+
+    class JetMoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = T.JetMoeForCausalLM(T.JetMoeConfig(
+                vocab_size=64, hidden_size=32, num_hidden_layers=4, num_key_value_heads=2, kv_channels=8,
+                intermediate_size=64, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+                use_cache=False))
+
+        def forward(self, ids):
+            return self.m(input_ids=ids).logits
+
+    job = rpcmp.Job(model=JetMoE, stages=rpcmp.SplitAt("m.model.layers.1", "m.model.layers.3"), microbatches=2)
+    ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(0))
+    specs = plan_stages(job, ids)
+    stages = [build_stage(job, s) for s in specs]
+    torch.manual_seed(job.seed)
+    whole = JetMoE()
+    for n in (1, 3):
+        torch.testing.assert_close(run_stages(stages, ids[:n]), whole(ids[:n]))
