@@ -259,8 +259,9 @@ def _sizes(pipe) -> set[str]:
 def check_any_batch_size(pipe, example: Any) -> tuple[str, ...]:
     """Refuse a traced graph that holds the micro-batch size it was traced with (a reshape to a
     fixed size, as ``nn.MultiheadAttention`` does): the stages also run a whole batch (BatchNorm),
-    a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation. Returns the
-    model's outputs whose samples meet (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
+    a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation; a graph that reads
+    values (a router's counts through ``.item()``, as JetMoE's experts) cannot run on them and is not checked. Returns
+    the model's outputs whose samples meet (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
     from ..core.microbatch import batch_size
     from .writes import batch_sized, one_more
