@@ -260,9 +260,10 @@ def check_any_batch_size(pipe, example: Any) -> tuple[str, ...]:
     """Refuse a traced graph that holds the micro-batch size it was traced with (a reshape to a
     fixed size, as ``nn.MultiheadAttention`` does): the stages also run a whole batch (BatchNorm),
     a smaller last micro-batch and evaluation batches. Checked on fake tensors: no computation; a graph that reads
-    values (a router's counts through ``.item()``, as JetMoE's experts) cannot run on them and is not checked. Returns
+    values (a router's counts through ``.item()``, as JetMoE's experts, or the rows it picks through ``nonzero``)
+    cannot run on them and is not checked. Returns
     the model's outputs whose samples meet (see [Note: samples that meet in the model] in rpcmp/plan/writes.py)."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
     from ..core.microbatch import batch_size
     from .writes import batch_sized, one_more
     n = batch_size(example)
@@ -271,7 +272,7 @@ def check_any_batch_size(pipe, example: Any) -> tuple[str, ...]:
             stages = [stage_module(pipe, i) for i in range(pipe.num_stages)]
             try:
                 out = run_stages(stages, pytree.tree_map(mode.from_tensor, example))
-            except DataDependentOutputException:  # a graph that reads values (a router's .item()): not known here
+            except (DataDependentOutputException, DynamicOutputShapeException):  # it reads values: not known here
                 return ()
             try:
                 bigger = run_stages(stages, pytree.tree_map(mode.from_tensor, one_more(example)))

@@ -106,6 +106,30 @@ def test_a_graph_that_fixes_the_batch_size_is_refused():
         plan_stages(rpcmp.Job(model=Pairs, stages=rpcmp.SplitAt("head"), microbatches=2), torch.randn(4, 8))
 
 
+def test_a_graph_whose_shapes_follow_its_values_is_cut_and_runs_as_the_unsplit_model():
+    """An expert that takes only the rows its gate picks (``nonzero``): the any-batch-size check runs the traced graph
+    on fake tensors, which hold no values, and stopped the plan with ``DynamicOutputShapeException``; such a graph is
+    not checked, and the stages equal the unsplit model at any batch size."""
+    class Picked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.gate, self.expert, self.head = (nn.Linear(8, 16), nn.Linear(16, 1), nn.Linear(16, 16),
+                                                           nn.Linear(16, 2))
+
+        def forward(self, x):
+            h = self.emb(x)
+            picked = (self.gate(h).squeeze(-1) > 0).nonzero().squeeze(-1)
+            return self.head(h.index_add(0, picked, self.expert(h[picked])))
+
+    job = rpcmp.Job(model=Picked, stages=rpcmp.SplitAt("expert", "head"), microbatches=2)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    stages = [build_stage(job, s) for s in plan_stages(job, x)]
+    torch.manual_seed(job.seed)
+    whole = Picked()
+    for n in (1, 3, 6):
+        torch.testing.assert_close(run_stages(stages, x[:n]), whole(x[:n]))
+
+
 @pytest.mark.model
 def test_attention_is_traced_for_any_batch_size():
     """nn.MultiheadAttention reshapes by the batch size: traced with a dynamic batch dimension,
