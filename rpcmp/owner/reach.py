@@ -11,11 +11,14 @@ then on, where one is missing, the stage's output takes the received tensors alo
 identity (:class:`Reach`) that gives them no gradient, and the backward runs through their
 ``RecvRpcBackward``, which sends zeros. Where nothing the stage before sent is reached, it is told to
 send its output detached from then on (:func:`send_detached`): its parameters get no gradient, as in
-the unsplit model. A value posted from further back, or one tensor of a message whose other tensors
-are reached (a gate made from another value's sign: ``h * (g > 0)``), keeps its zeros: the stage
-before must go on sending the reached ones with their gradient (told to send detached, it left the
-stages before it untrained, and a step waited forever for the value it no longer sent a gradient of).
-Zeros leave plain SGD (momentum too) and Adam where no gradient would; weight decay acts on them.
+the unsplit model. One tensor of a message whose other tensors are reached (a gate made from another
+value's sign: ``h * (g > 0)``) must not cut the message: the stage before goes on sending the reached
+ones with their gradient (told to send detached, it left the stages before it untrained, and a step
+waited forever for the value it no longer sent a gradient of). A ``SplitAt`` plan finds such a tensor
+on fake tensors (:mod:`rpcmp.plan.unreached`), and the stage before sends it alone detached from the
+first step (``StageSpec.detached_values``); elsewhere (a value posted from further back, a ``Split`` or
+names plan, a graph fake tensors cannot run) it keeps its zeros, which leave plain SGD (momentum too)
+and Adam where no gradient would; weight decay acts on them.
 Where the plan runs the model on the meta device (a ``Split`` or names plan: rpcmp.plan.writes), it
 finds such a stage beforehand, and the stage before sends detached from the first step
 (``StageSpec.detached``). Otherwise what it sent before it learnt that (the first step) brought zeros

@@ -38,6 +38,7 @@ Activation checkpointing (``Job(recompute=True)``): see [Note: recompute] in
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import resource
 import sys
@@ -109,6 +110,7 @@ class StageHost:
     cut: bool | None = None  # whether a received input is not in the output's backward (see [Note: an input the ...])
     cut_chain: bool = False  # nothing of what the stage before sent is in it: that stage sends detached (.reach)
     send_detached: bool = False  # the next stage said that it takes no gradient of this stage's output (.reach)
+    detached_values: tuple[int, ...] = ()  # nor of these of its tensors (by position): sent detached (rpcmp.plan.unreached)
 
     def __post_init__(self):
         threads = torch.get_num_threads()
@@ -158,6 +160,9 @@ class StageHost:
                 posts = to_device(posts, torch.device("cpu"))
         if self.send_detached and self.next_process is not None:  # see [Note: an input the backward never ...]
             y = map_tensors(y, torch.Tensor.detach)
+        elif self.detached_values and self.next_process is not None:
+            at = itertools.count()
+            y = map_tensors(y, lambda t: t.detach() if next(at) in self.detached_values else t)
         if self.device.type != "cpu" and self.next_process not in self.keep_on_device:
             y = to_device(y, torch.device("cpu"))
         if self.wire != "fp32":  # to later stages (the master's loss takes float32)
@@ -249,7 +254,7 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
                                                 deliver=options["deliver"],
                                                 mail_in=tuple(route.mail_in) if route else (),
                                                 posts=bool(route.posts) if route else False,
-                                                send_detached=spec.detached)
+                                                send_detached=spec.detached, detached_values=spec.detached_values)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
 
 

@@ -38,6 +38,7 @@ from .export import traces
 from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
                      outputs_no_gradient, same_graphs, stage_module)
 from .lengths import input_sizes, require_any_length
+from .unreached import unreached_values
 from .writes import has_batch_state, meta_findings, traced_writes
 from ..errors import PartitionError
 
@@ -96,6 +97,7 @@ class StageSpec:
     cut: tuple[str, ...] = ()  # "traced": the SplitAt points the graph was cut at (a re-cut moves them)
     one_graph: bool = False  # "traced": the model traces alike in train and eval mode: an owner traces it once
     detached: bool = False  # the next stage takes no gradient of this one's output (see rpcmp.owner.reach)
+    detached_values: tuple[int, ...] = ()  # nor of these of its tensors, by position: sent detached (rpcmp.plan.unreached)
     mixes: tuple[str, ...] = ()  # the model's outputs whose samples meet (see rpcmp.plan.writes.batch_sized)
 
 
@@ -330,11 +332,15 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
         require_any_length(meta_model(job), example, sizes)
     bn, writes = has_batch_state(model), traced_writes(pipe, model)
     bounds = ["input", *job.stages.points, "output"] if job.stages.points else None
-    # a stage that outputs no floating tensor takes no gradient of its input: the stage before sends it detached
+    # a stage that outputs no floating tensor takes no gradient of its input, nor one that reads it only through a
+    # comparison, detach or no_grad: the stage before sends it detached (and any other tensor so read, by position)
+    values = unreached_values(pipe, example)
     detached = {i - 1 for i in range(1, pipe.num_stages) if outputs_no_gradient(pipe.get_stage_module(i))}
+    detached |= {k for k, (missed, count) in values.items() if len(missed) == count}
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
                       example=example_of(example), has_bn=bn, writes=writes, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
-                      cut=tuple(job.stages.points), one_graph=one, mixes=mixes, detached=i in detached)
+                      cut=tuple(job.stages.points), one_graph=one, mixes=mixes, detached=i in detached,
+                      detached_values=() if i in detached else values.get(i, ((), 0))[0])
             for i in range(pipe.num_stages)]
 
 

@@ -130,6 +130,16 @@ def test_a_graph_whose_shapes_follow_its_values_is_cut_and_runs_as_the_unsplit_m
         torch.testing.assert_close(run_stages(stages, x[:n]), whole(x[:n]))
 
 
+def test_the_plan_has_a_value_the_next_stage_reads_only_through_a_comparison_sent_detached():
+    """tests/jobs/gated.py: stage 1 reads ``g`` only through ``g > 0`` (found on fake tensors: rpcmp.plan.unreached);
+    tests/jobs/codes.py: stage 1 outputs only argmax codes, so nothing stage 0 sends is reached."""
+    for name, detached, values in (("gated", False, (1,)), ("codes", True, ())):
+        job = load(name)
+        specs = plan_stages(job, job.data()[0][:job.batch_size][0])
+        assert (specs[0].detached, specs[0].detached_values) == (detached, values), name
+        assert (specs[-1].detached, specs[-1].detached_values) == (False, ())
+
+
 @pytest.mark.model
 def test_attention_is_traced_for_any_batch_size():
     """nn.MultiheadAttention reshapes by the batch size: traced with a dynamic batch dimension,
