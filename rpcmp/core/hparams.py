@@ -120,15 +120,16 @@ class StageFields:
         self._send = send
         self._push()  # what the scheduler sets at construction reaches every stage before step 1
 
-    def set(self, fields: dict) -> None:
-        """Send ``fields`` (per group index, or one dict for every group) where they change a group's settings."""
+    def set(self, fields: dict, every: bool = False) -> None:
+        """Send ``fields`` (per group index, or one dict for every group) where they change a group's settings
+        (``every``: all of them, whatever was sent before)."""
         flat = _flat(fields)
         per_group = {i: flat for i in self.sent} if flat is not None else fields
         changed = {}
         for i, got in per_group.items():
             if i not in self.sent:
                 raise JobError(f"no parameter group {i!r}: the job's optimizer has groups {sorted(self.sent)}")
-            differ = {k: v for k, v in got.items() if self.sent[i].get(k, _UNSET) != v}
+            differ = dict(got) if every else {k: v for k, v in got.items() if self.sent[i].get(k, _UNSET) != v}
             if differ:
                 changed[i] = differ
         if changed:
@@ -148,14 +149,17 @@ class StageFields:
         return scheduler_state(self.scheduler, self.probe)
 
     def load_state(self, state: dict[str, Any]) -> None:
+        """The scheduler's state of an earlier step (a resume, a rollback): every stage gets all of its fields, not
+        only those that differ from what was sent last; the stages may hold others by now (read back from a
+        checkpoint's files, or sent by a push that a lost process cut short)."""
         load_scheduler_state(self.scheduler, self.probe, state)
-        self._push()
+        self._push(every=True)
 
     @property
     def lr(self) -> float | None:
         """The first group's learning rate (torch's ``param_groups[0]["lr"]``)."""
         return self.sent[0].get("lr")
 
-    def _push(self) -> None:
+    def _push(self, every: bool = False) -> None:
         if self.probe is not None:
-            self.set(scheduled_fields(self.probe))
+            self.set(scheduled_fields(self.probe), every)
