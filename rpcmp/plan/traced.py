@@ -52,6 +52,7 @@ Dimension 1 (tokens, time) is traced as dynamic too: see [Note: any sequence len
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -267,27 +268,33 @@ def check_any_batch_size(pipe, example: Any) -> tuple[str, ...]:
     from ..core.microbatch import batch_size
     from .writes import batch_sized, one_more
     n = batch_size(example)
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            stages = [stage_module(pipe, i) for i in range(pipe.num_stages)]
-            try:
-                out = run_stages(stages, pytree.tree_map(mode.from_tensor, example))
-            except (DataDependentOutputException, DynamicOutputShapeException):  # it reads values: not known here
-                return ()
-            try:
-                bigger = run_stages(stages, pytree.tree_map(mode.from_tensor, one_more(example)))
-            except Exception as exc:  # noqa: BLE001 - any failure here is the same finding
-                raise PartitionError(
-                    f"SplitAt: the traced graph fixes the batch size "
-                    f"it was traced with ({n} samples per micro-batch): run on {n + 1} it fails with {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:200]}. rpcmp's stages also run whole batches, a smaller last micro-batch and "
-                    f"evaluation batches, so such a model cannot be cut on its traced graph yet: declare the stages as modules, "
-                    f"or as an nn.Sequential cut with rpcmp.Split" + (f". Traced for any batch size, it failed with "
-                    f"{pipe.rpcmp_why_fixed}" if getattr(pipe, "rpcmp_why_fixed", None) else "")) from None
-    finally:
-        for i in range(pipe.num_stages):  # undo the routing installed for the check
-            pipe.get_stage_module(i).__dict__.pop("forward", None)
+    with routed_stages(pipe) as stages, FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        try:
+            out = run_stages(stages, pytree.tree_map(mode.from_tensor, example))
+        except (DataDependentOutputException, DynamicOutputShapeException):  # it reads values: not known here
+            return ()
+        try:
+            bigger = run_stages(stages, pytree.tree_map(mode.from_tensor, one_more(example)))
+        except Exception as exc:  # noqa: BLE001 - any failure here is the same finding
+            raise PartitionError(
+                f"SplitAt: the traced graph fixes the batch size "
+                f"it was traced with ({n} samples per micro-batch): run on {n + 1} it fails with {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:200]}. rpcmp's stages also run whole batches, a smaller last micro-batch and "
+                f"evaluation batches, so such a model cannot be cut on its traced graph yet: declare the stages as modules, "
+                f"or as an nn.Sequential cut with rpcmp.Split" + (f". Traced for any batch size, it failed with "
+                f"{pipe.rpcmp_why_fixed}" if getattr(pipe, "rpcmp_why_fixed", None) else "")) from None
     return batch_sized(out, bigger)
+
+
+@contextlib.contextmanager
+def routed_stages(pipe):
+    """The traced ``pipe``'s stages, each callable with one argument (:func:`stage_module`), for a run in this
+    process (a check on fake tensors); the routing is undone on exit, so ``pipe`` stays as traced for the builds."""
+    try:
+        yield [stage_module(pipe, i) for i in range(pipe.num_stages)]
+    finally:
+        for i in range(pipe.num_stages):
+            pipe.get_stage_module(i).__dict__.pop("forward", None)
 
 
 def stage_module(pipe, index: int, module: nn.Module | None = None) -> nn.Module:

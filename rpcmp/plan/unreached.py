@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..core.microbatch import map_tensors, tensors
-from .traced import stage_flow, stage_module
+from .traced import routed_stages, stage_flow
 
 __all__ = ["unreached_values"]
 
@@ -50,13 +50,9 @@ def unreached_values(pipe, example: Any) -> dict[int, tuple[tuple[int, ...], int
         return out
 
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            flow = [stage_module(pipe, i) for i in range(pipe.num_stages)]
+        with routed_stages(pipe) as flow, FakeTensorMode(allow_non_fake_inputs=True) as mode:
             for _ in stage_flow(flow, pytree.tree_map(mode.from_tensor, example), call):
                 pass
     except Exception:  # noqa: BLE001 - a graph that reads values, or any other: nothing known, as before this check
         return {}
-    finally:
-        for i in range(pipe.num_stages):  # undo the routing installed for the run
-            pipe.get_stage_module(i).__dict__.pop("forward", None)
     return found
