@@ -16,9 +16,10 @@ value's sign: ``h * (g > 0)``) must not cut the message: the stage before goes o
 ones with their gradient (told to send detached, it left the stages before it untrained, and a step
 waited forever for the value it no longer sent a gradient of). A ``SplitAt`` plan finds such a tensor
 on fake tensors (:mod:`rpcmp.plan.unreached`), and the stage before sends it alone detached from the
-first step (``StageSpec.detached_values``); elsewhere (a value posted from further back, a ``Split`` or
-names plan, a graph fake tensors cannot run) it keeps its zeros, which leave plain SGD (momentum too)
-and Adam where no gradient would; weight decay acts on them.
+first step (``StageSpec.detached_values``), as a stage further back does a value it posts to the stage
+(``StageSpec.detached_posts``); elsewhere (a ``Split`` or names plan, a graph fake tensors cannot run)
+it keeps its zeros, which leave plain SGD (momentum too) and Adam where no gradient would; weight decay
+acts on them.
 Where the plan runs the model on the meta device (a ``Split`` or names plan: rpcmp.plan.writes), it
 finds such a stage beforehand, and the stage before sends detached from the first step
 (``StageSpec.detached``). Otherwise what it sent before it learnt that (the first step) brought zeros
@@ -32,6 +33,7 @@ detached from the start.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ import torch.distributed.rpc as rpc
 from ..core.microbatch import map_tensors, received, tensors, unreached
 from ..core.served import current
 
-__all__ = ["reach", "send_detached", "Reach", "tie"]
+__all__ = ["reach", "send_detached", "detach_sent", "Reach", "tie"]
 
 _RECV = "RecvRpcBackward"
 
@@ -60,6 +62,21 @@ def reach(host, x: Any, y: Any) -> Any:
     if host.cut_chain and index and len(host.owners) >= index and received(chain, _RECV):
         rpc.rpc_async(current().worker(host.owners[index - 1]), send_detached, args=(host.pid, index - 1))
     return tie(y, x)
+
+
+def detach_sent(host, y: Any, posts: dict | None) -> tuple[Any, dict | None]:
+    """What stage ``host`` sends on (``y``) and posts to later stages (``{stage: {name: value}}``), each tensor
+    that its reader takes no gradient of detached: the whole output once the next stage said so, the values the
+    plan found (``detached_values`` by position, ``detached_posts`` by reader and name)."""
+    if host.send_detached and host.next_process is not None:
+        y = map_tensors(y, torch.Tensor.detach)
+    elif host.detached_values and host.next_process is not None:
+        at = itertools.count()
+        y = map_tensors(y, lambda t: t.detach() if next(at) in host.detached_values else t)
+    if posts and host.detached_posts:
+        posts = {j: {name: map_tensors(v, torch.Tensor.detach) if (j, name) in host.detached_posts else v
+                     for name, v in values.items()} for j, values in posts.items()}
+    return y, posts
 
 
 def send_detached(pid: int, index: int) -> None:

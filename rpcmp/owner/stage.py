@@ -38,7 +38,6 @@ Activation checkpointing (``Job(recompute=True)``): see [Note: recompute] in
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import resource
 import sys
@@ -52,7 +51,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from .admission import InOrder
-from .reach import reach
+from .reach import detach_sent, reach
 from ..errors import StageError, StepCancelled
 from ..core.failure import Failure
 from ..core.hparams import apply_fields, read_fields
@@ -111,6 +110,7 @@ class StageHost:
     cut_chain: bool = False  # nothing of what the stage before sent is in it: that stage sends detached (.reach)
     send_detached: bool = False  # the next stage said that it takes no gradient of this stage's output (.reach)
     detached_values: tuple[int, ...] = ()  # nor of these of its tensors (by position): sent detached (rpcmp.plan.unreached)
+    detached_posts: tuple = ()  # (reader, name) of the values it posts that their reader takes no gradient of (same)
 
     def __post_init__(self):
         threads = torch.get_num_threads()
@@ -158,11 +158,7 @@ class StageHost:
             y, posts = y
             if self.device.type != "cpu":  # posts go as CPU tensors: device maps cover neighbours only
                 posts = to_device(posts, torch.device("cpu"))
-        if self.send_detached and self.next_process is not None:  # see [Note: an input the backward never ...]
-            y = map_tensors(y, torch.Tensor.detach)
-        elif self.detached_values and self.next_process is not None:
-            at = itertools.count()
-            y = map_tensors(y, lambda t: t.detach() if next(at) in self.detached_values else t)
+        y, posts = detach_sent(self, y, posts)  # see [Note: an input the backward never reaches]
         if self.device.type != "cpu" and self.next_process not in self.keep_on_device:
             y = to_device(y, torch.device("cpu"))
         if self.wire != "fp32":  # to later stages (the master's loss takes float32)
@@ -254,7 +250,8 @@ def build(pid: int, spec: StageSpec, place: Place, next_process: str | None, tim
                                                 deliver=options["deliver"],
                                                 mail_in=tuple(route.mail_in) if route else (),
                                                 posts=bool(route.posts) if route else False,
-                                                send_detached=spec.detached, detached_values=spec.detached_values)
+                                                send_detached=spec.detached, detached_values=spec.detached_values,
+                                                detached_posts=spec.detached_posts)
     return [rpc.RRef(p) for p in module.parameters() if p.requires_grad], bn, rpc.RRef(module)
 
 

@@ -98,6 +98,7 @@ class StageSpec:
     one_graph: bool = False  # "traced": the model traces alike in train and eval mode: an owner traces it once
     detached: bool = False  # the next stage takes no gradient of this one's output (see rpcmp.owner.reach)
     detached_values: tuple[int, ...] = ()  # nor of these of its tensors, by position: sent detached (rpcmp.plan.unreached)
+    detached_posts: tuple[tuple[int, str], ...] = ()  # (stage, name) of posted values their reader takes no gradient of
     mixes: tuple[str, ...] = ()  # the model's outputs whose samples meet (see rpcmp.plan.writes.batch_sized)
 
 
@@ -336,11 +337,12 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     # comparison, detach or no_grad: the stage before sends it detached (and any other tensor so read, by position)
     values = unreached_values(pipe, example)
     detached = {i - 1 for i in range(1, pipe.num_stages) if outputs_no_gradient(pipe.get_stage_module(i))}
-    detached |= {k for k, (missed, count) in values.items() if len(missed) == count}
+    detached |= {k for k, (missed, count) in values.values.items() if len(missed) == count}
     return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
                       example=example_of(example), has_bn=bn, writes=writes, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
                       cut=tuple(job.stages.points), one_graph=one, mixes=mixes, detached=i in detached,
-                      detached_values=() if i in detached else values.get(i, ((), 0))[0])
+                      detached_values=() if i in detached else values.values.get(i, ((), 0))[0],
+                      detached_posts=values.posts.get(i, ()))
             for i in range(pipe.num_stages)]
 
 

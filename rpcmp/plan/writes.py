@@ -169,14 +169,19 @@ def whole_batch_note(writes: tuple[str, ...], microbatches: int, mixes: tuple[st
 
 
 def detached_note(spec) -> str:
-    """The run banner's line for a stage whose output the next stage takes no gradient of (``spec.detached``), or of
-    some of its tensors (``spec.detached_values``)."""
-    k = spec.index
-    if not spec.detached:
-        which = ", ".join(str(p) for p in spec.detached_values)
-        return (f"stage {k + 1} takes no gradient of tensor{'s' if len(spec.detached_values) > 1 else ''} {which} of "
-                f"stage {k}'s output (its forward reads {'them' if len(spec.detached_values) > 1 else 'it'} through "
-                f"detach, no_grad or an op without one): sent without one, as in the unsplit model")
-    before = f"stages 0-{k} get none and keep their" if k else "stage 0 gets none and keeps its"
-    return (f"stage {k + 1} takes no gradient of stage {k}'s output (its forward reads it through detach, no_grad or an "
-            f"op without one): {before} first values, as in the unsplit model")
+    """The run banner's lines for a stage whose output the next stage takes no gradient of (``spec.detached``), or
+    of some of its tensors (``spec.detached_values``), or of values it posts to later stages (``spec.detached_posts``)."""
+    k, lines = spec.index, []
+    how = "through detach, no_grad or an op without one"
+    for j, name in spec.detached_posts:
+        lines.append(f"stage {j} takes no gradient of the value {name} that stage {k} posts to it (its forward reads it "
+                     f"{how}): sent without one, as in the unsplit model")
+    if spec.detached_values and not spec.detached:
+        which, many = ", ".join(str(p) for p in spec.detached_values), len(spec.detached_values) > 1
+        lines.append(f"stage {k + 1} takes no gradient of tensor{'s' if many else ''} {which} of stage {k}'s output "
+                     f"(its forward reads {'them' if many else 'it'} {how}): sent without one, as in the unsplit model")
+    if spec.detached:
+        before = f"stages 0-{k} get none and keep their" if k else "stage 0 gets none and keeps its"
+        lines.append(f"stage {k + 1} takes no gradient of stage {k}'s output (its forward reads it {how}): {before} "
+                     f"first values, as in the unsplit model")
+    return "\n".join(lines)

@@ -345,7 +345,7 @@ class PipelineEngine:
                      f"the live copy in another replica (no step lost)")
         if pipe.whole_batch_bn and pipe.microbatches > 1:
             text += "\n" + whole_batch_note(pipe.specs[0].writes, pipe.microbatches, pipe.specs[0].mixes)
-        return text + "".join("\n" + detached_note(s) for s in pipe.specs if s.detached or s.detached_values)
+        return text + "".join("\n" + detached_note(s) for s in pipe.specs if s.detached or s.detached_values or s.detached_posts)
 
     def explain(self, exc: BaseException) -> BaseException:
         return self.pipe.explain(exc)

@@ -12,6 +12,7 @@ from helpers import load
 from rpcmp.errors import PartitionError
 from rpcmp.plan.partition import build_stage, plan_stages
 from rpcmp.plan.export import trace_split
+from rpcmp.plan.writes import detached_note
 from rpcmp.plan.traced import run_stages
 
 
@@ -130,14 +131,19 @@ def test_a_graph_whose_shapes_follow_its_values_is_cut_and_runs_as_the_unsplit_m
         torch.testing.assert_close(run_stages(stages, x[:n]), whole(x[:n]))
 
 
-def test_the_plan_has_a_value_the_next_stage_reads_only_through_a_comparison_sent_detached():
+def test_the_plan_has_a_value_a_later_stage_reads_only_through_a_comparison_sent_detached():
     """tests/jobs/gated.py: stage 1 reads ``g`` only through ``g > 0`` (found on fake tensors: rpcmp.plan.unreached);
-    tests/jobs/codes.py: stage 1 outputs only argmax codes, so nothing stage 0 sends is reached."""
-    for name, detached, values in (("gated", False, (1,)), ("codes", True, ())):
+    gated_post.py: stage 2 so reads the value stage 0 posts to it; codes.py: stage 1 outputs only argmax codes, so
+    nothing stage 0 sends is reached."""
+    for name, detached, values, posts in (("gated", False, (1,), 0), ("gated_post", False, (), 1),
+                                          ("codes", True, (), 0)):
         job = load(name)
         specs = plan_stages(job, job.data()[0][:job.batch_size][0])
         assert (specs[0].detached, specs[0].detached_values) == (detached, values), name
-        assert (specs[-1].detached, specs[-1].detached_values) == (False, ())
+        assert [j for j, _ in specs[0].detached_posts] == [2] * posts, name
+        assert all((s.detached, s.detached_values, s.detached_posts) == (False, (), ()) for s in specs[1:]), name
+        if posts:
+            assert "stage 2 takes no gradient of the value" in detached_note(specs[0])
 
 
 @pytest.mark.model
