@@ -17,9 +17,10 @@ ones with their gradient (told to send detached, it left the stages before it un
 waited forever for the value it no longer sent a gradient of). A ``SplitAt`` plan finds such a tensor
 on fake tensors (:mod:`rpcmp.plan.unreached`), and the stage before sends it alone detached from the
 first step (``StageSpec.detached_values``), as a stage further back does a value it posts to the stage
-(``StageSpec.detached_posts``); elsewhere (a ``Split`` or names plan, a graph fake tensors cannot run)
-it keeps its zeros, which leave plain SGD (momentum too) and Adam where no gradient would; weight decay
-acts on them.
+(``StageSpec.detached_posts``); a ``Split`` or names plan finds it on the meta device
+(:func:`rpcmp.plan.writes.meta_findings`). Where neither run can (a forward that reads values) it keeps
+its zeros, which leave plain SGD (momentum too) and Adam where no gradient would; weight decay acts on
+them.
 Where the plan runs the model on the meta device (a ``Split`` or names plan: rpcmp.plan.writes), it
 finds such a stage beforehand, and the stage before sends detached from the first step
 (``StageSpec.detached``). Otherwise what it sent before it learnt that (the first step) brought zeros

@@ -129,7 +129,8 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         found = meta_findings(job, sample, ends)
         writes = tuple(dict.fromkeys(specs[0].writes + found.writes))  # a SplitAt's graphs say some
         mixes = specs[0].mixes or found.mixes  # a SplitAt's trace may have said
-        specs = [replace(s, writes=writes, detached=s.detached or s.index in found.detached, mixes=mixes) for s in specs]
+        specs = [replace(s, writes=writes, detached=s.detached or s.index in found.detached, mixes=mixes,
+                         detached_values=s.detached_values or found.values.get(s.index, ())) for s in specs]
     if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
         warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
                       "stages uncompiled, with its names (no '_orig_mod.' prefix)", stacklevel=2)

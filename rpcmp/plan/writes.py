@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils.parametrizations import _SpectralNorm
 from torch.nn.utils.spectral_norm import SpectralNorm
 
-from ..core.microbatch import received, unreached
+from ..core.microbatch import received, tensors, unreached
 from .graphs import graphs
 from .materialize import meta_model
 
@@ -42,6 +42,7 @@ class Found(NamedTuple):
     writes: tuple[str, ...] = ()  # buffers the training forward writes, by the unsplit model's names
     detached: tuple[int, ...] = ()  # stages whose output the next stage takes no gradient of
     mixes: tuple[str, ...] = ()  # outputs whose samples meet each other (:func:`batch_sized`)
+    values: dict = {}  # stage -> positions of its output's tensors that the next stage takes no gradient of
 
 
 def meta_findings(job, sample: Any, ends: tuple = ()) -> Found:
@@ -50,7 +51,8 @@ def meta_findings(job, sample: Any, ends: tuple = ()) -> Found:
     a module :func:`has_batch_state` knows by its kind, by the unsplit model's names (a write in the second of two
     calls counts, so a cache a forward builds on its first call and then only reads does not); for stages ending at
     the submodules ``ends`` (names, or positions among the model's children), the stages whose output the next
-    stage's output takes no gradient from (see [Note: an input the backward never reaches] in rpcmp/owner/reach.py);
+    stage's output takes no gradient from, or some of whose output's tensors it takes none from (see [Note: an input
+    the backward never reaches] in rpcmp/owner/reach.py);
     and the outputs whose samples meet (:func:`batch_sized`: a third call, one sample more). Nothing for a forward
     that cannot run on the meta device (one that reads values, ``if mask.all():``): none is known."""
     model = meta_model(job).train()
@@ -75,9 +77,15 @@ def meta_findings(job, sample: Any, ends: tuple = ()) -> Found:
         for hook in hooks:
             hook.remove()
     once = {i: out[-1] for i, out in outs.items() if len(out) == 2}  # once in each of the two calls
-    cut = [i for i in range(len(ends) - 1) if i in once and i + 1 in once and (nodes := received(once[i]))
-           and len(unreached(once[i + 1], nodes)) == len(nodes)]
-    return Found(writes, tuple(cut), mixes)
+    cut, values = [], {}
+    for i in range(len(ends) - 1):
+        if i in once and i + 1 in once and (nodes := received(once[i])):
+            missed = unreached(once[i + 1], nodes)
+            if len(missed) == len(nodes):
+                cut.append(i)
+            elif missed:  # by position among the output's tensors; one node that others' share is reached with them
+                values[i] = tuple(p for p, t in enumerate(tensors(once[i])) if t.requires_grad and t.grad_fn in missed)
+    return Found(writes, tuple(cut), mixes, values)
 
 
 def _mixes(model: nn.Module, x: Any, out: Any) -> tuple[str, ...]:

@@ -166,13 +166,14 @@ def _gated(job, world_size):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("name, ranks", [("gated", 3), ("gated_post", 4), ("gated_decay", 3)])
+@pytest.mark.parametrize("name, ranks", [("gated", 3), ("gated_post", 4), ("gated_decay", 3), ("gated_names", 3)])
 def test_a_received_value_read_only_through_a_comparison_beside_a_reached_one_trains_as_the_unsplit_model(name, ranks):
     """tests/jobs/gated.py, gated_post.py: a stage reads a value (sent with the chain, or posted past a stage) only
     through ``g > 0`` and the chain value through differentiable ops. Any unreached message had the stage before
     told to send its output detached: posted, the step waited forever (the stages before lost their gradient).
     gated_decay.py, with weight decay: sent with a gradient, the gate came back with zeros and its weights decayed,
-    where the unsplit model gives them no gradient; the plan now has it sent detached."""
+    where the unsplit model gives them no gradient; the plan now has it sent detached (gated_post.py: posted;
+    gated_names.py: cut by names)."""
     got = run_ranks(name, ranks, _gated, timeout=120)
     job = load(name)
     torch.manual_seed(job.seed)

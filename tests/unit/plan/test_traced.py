@@ -133,10 +133,11 @@ def test_a_graph_whose_shapes_follow_its_values_is_cut_and_runs_as_the_unsplit_m
 
 def test_the_plan_has_a_value_a_later_stage_reads_only_through_a_comparison_sent_detached():
     """tests/jobs/gated.py: stage 1 reads ``g`` only through ``g > 0`` (found on fake tensors: rpcmp.plan.unreached);
-    gated_post.py: stage 2 so reads the value stage 0 posts to it; codes.py: stage 1 outputs only argmax codes, so
-    nothing stage 0 sends is reached."""
+    gated_post.py: stage 2 so reads the value stage 0 posts to it; gated_names.py: gated.py cut by names (found on
+    the meta device: rpcmp.plan.writes.meta_findings); codes.py: stage 1 outputs only argmax codes, so nothing stage
+    0 sends is reached."""
     for name, detached, values, posts in (("gated", False, (1,), 0), ("gated_post", False, (), 1),
-                                          ("codes", True, (), 0)):
+                                          ("gated_names", False, (1,), 0), ("codes", True, (), 0)):
         job = load(name)
         specs = plan_stages(job, job.data()[0][:job.batch_size][0])
         assert (specs[0].detached, specs[0].detached_values) == (detached, values), name
@@ -424,10 +425,10 @@ def _gpt2_with_an_ema():
 def test_a_traced_plan_finds_a_buffer_write_where_the_forward_cannot_run_on_the_meta_device():
     """A Hugging Face model reads values in its forward (`.item()`), so the meta-device run that finds buffer writes
     fails on it; a SplitAt plan finds the write in its graphs instead (an EMA after the last block)."""
-    from rpcmp.plan.writes import meta_findings
+    from rpcmp.plan.writes import Found, meta_findings
     job = rpcmp.Job(model=_gpt2_with_an_ema, stages=rpcmp.SplitAt("transformer.h.2"))
     x = torch.randint(0, 64, (4, 12))
-    assert meta_findings(job, x) == ((), (), ())
+    assert meta_findings(job, x) == Found()  # nothing known
     assert all(s.writes == ("transformer.ln_f.1.mean",) for s in plan_stages(job, x))
 
 
