@@ -82,7 +82,7 @@ class StageSpec:
 
     index: int
     name: str
-    kind: str  # "names" | "modules" | "slice"
+    kind: str  # "names" | "modules" | "slice" | "traced"
     names: tuple[str, ...] = ()
     start: int = 0
     stop: int = 0
@@ -124,8 +124,7 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
     what a run of the model on the meta device finds (:func:`rpcmp.plan.writes.meta_findings`)."""
     specs = _plan(job, sample)
     if sample is not None and specs[0].kind != "modules":  # stages given as modules: there is no whole model to run
-        ends = tuple(s.names[-1] if s.kind == "names" else s.stop - 1 for s in specs) if specs[0].kind in (
-            "names", "slice") else ()
+        ends = () if specs[0].kind == "traced" else tuple(s.names[-1] if s.kind == "names" else s.stop - 1 for s in specs)
         found = meta_findings(job, sample, ends)
         writes = tuple(dict.fromkeys(specs[0].writes + found.writes))  # a SplitAt's graphs say some
         mixes = specs[0].mixes or found.mixes  # a SplitAt's trace may have said
