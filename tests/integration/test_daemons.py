@@ -122,14 +122,19 @@ def test_a_daemon_refuses_every_forged_offer_stays_up_and_then_serves_an_honest_
     work.mkdir()
     log_path = work / "worker1.log"
     log = open(log_path, "w")
-    # 1: a real master's offer, whose job file a stranger swaps under the same job id, and a forged `ready`
-    master = _master(port, token, "--max-steps", "5", workers=1, env={**os.environ, "RPCMP_CONNECT_TIMEOUT": "8"})
-    client, real = _wait_offer(port, master)
-    real["files"][real["job"]] = base64.b64encode(evil.encode()).decode()
-    client.set("rpcmp/job", json.dumps(real))
-    client.set(f"{real['id']}/ready/1", "1")
-    daemon = _daemon(port, token, log)  # the daemon reads the swapped offer
+    # 1: a real master's offer, whose job file a stranger swaps under the same job id, and a forged `ready`. The
+    # daemon is started first and stopped once it waits (so that its start, slow on a busy machine, does not outlast
+    # the master's 8 s), and let go once the offer is swapped: it reads the swapped one.
+    daemon, master = _daemon(port, token, log), None
     try:
+        _wait_log(log_path, "waiting for jobs", timeout=120)
+        daemon.send_signal(signal.SIGSTOP)
+        master = _master(port, token, "--max-steps", "5", workers=1, env={**os.environ, "RPCMP_CONNECT_TIMEOUT": "8"})
+        client, real = _wait_offer(port, master)
+        real["files"][real["job"]] = base64.b64encode(evil.encode()).decode()
+        client.set("rpcmp/job", json.dumps(real))
+        client.set(f"{real['id']}/ready/1", "1")
+        daemon.send_signal(signal.SIGCONT)
         out, _ = master.communicate(timeout=60)
         assert master.returncode != 0 and "did not join within 8s" in out, out  # the forged ready did not count
         _wait_log(log_path, "wrong job token or an altered offer, refused")
@@ -161,7 +166,7 @@ def test_a_daemon_refuses_every_forged_offer_stays_up_and_then_serves_an_honest_
     finally:
         if daemon.poll() is None:
             os.killpg(daemon.pid, signal.SIGKILL)
-        if master.poll() is None:
+        if master is not None and master.poll() is None:
             os.killpg(master.pid, signal.SIGKILL)
         log.close()
     assert not marker.exists()
