@@ -159,7 +159,8 @@ def test_an_owner_lost_just_after_a_checkpoint_takes_the_optimizer_settings_of_t
     code, out = _run_and_hit(folder, [(saved, "worker2", signal.SIGKILL)], "--spares", "1", "--snapshot-every", "0",
                              "--checkpoint-every", "5")
     assert code == 0, out
-    assert "rebuilt on worker4 from the checkpoint of step 10" in out, out
+    # step 10's, or on a busy machine, where this process saw it late, a later one's (every 5 steps)
+    assert re.search(r"rebuilt on worker4 from the checkpoint of step (10|15|20) ", out), out
     assert_close_f32(load_checkpoint(str(folder))["model"], uninterrupted["model"])
 
 
