@@ -79,7 +79,8 @@ def _documented_paths():
     repo = os.path.dirname(ROOT)
     files = ["README.md", "Makefile", "setup.cfg"]
     for folder in ("workers", "launch", "benchmarks", "examples"):
-        for base, _, names in os.walk(os.path.join(repo, folder)):
+        for base, dirs, names in os.walk(os.path.join(repo, folder)):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]  # compiled modules (make bytecode), not text
             files += [os.path.relpath(os.path.join(base, n), repo) for n in names]
     for rel in files:
         text = open(os.path.join(repo, rel), errors="replace").read()
