@@ -23,9 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
-from torch import nn
-
 import torch.utils._pytree as pytree
+from torch import nn
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
@@ -327,7 +326,8 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     mixes = check_any_batch_size(pipe, example)
     check_same_cut(pipe, evaluated)  # see [Note: a traced stage in eval mode]
     one = same_graphs(pipe, evaluated)
-    check_any_batch_size(evaluated, example)
+    if not one:  # the same graphs, op for op: the train graph's check was this one's
+        check_any_batch_size(evaluated, example)
     sizes = input_sizes(pipe, example)
     if job.stages.lengths == "any":
         require_any_length(meta_model(job), example, sizes)
