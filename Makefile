@@ -14,8 +14,8 @@ $(STAMP): setup.cfg pyproject.toml
 	# torch and torchvision pinned (other builds download GBs or fail). uv fetches and unpacks the wheels side by
 	# side (torch's GBs of CUDA libraries among them) and compiles their modules (as pip does: where
 	# PYTHONDONTWRITEBYTECODE is set, nothing else would, and every process would compile torch on import). On 2
-	# cores with empty caches: 64 s beside a busy core where pip took 110 s idle, 133 s where pip took 225 s from
-	# a slower registry. pip installs them where uv cannot.
+	# cores with empty caches: 56 s where pip took 110 s (64 s beside a busy core), 133 s where pip took 225 s
+	# from a slower registry. pip installs them where uv cannot.
 	$(PY) -m pip install -q uv && $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) $(PACKAGES) \
 		|| $(PY) -m pip install -q $(PACKAGES)
 	touch $@
