@@ -43,9 +43,10 @@ _COUNTERS = ("compute_s", "runs", "bytes_in", "bytes_out", "events")
 
 def prepare(spec) -> None:
     """A spare, while it waits (or an owner, while the master plans a re-cut): trace the model of a traced
-    split now (``spec``: any of its stages), so that taking over a lost or drained stage later costs a build,
-    not a trace as well (seconds: 5 s of a 5 s recovery for a small GPT-2); of a split by name or slice, make
-    the model on the meta device. A failure here says nothing: the build that needs it reports it."""
+    split now (``spec``: any of its stages) where the plan does not carry its graphs (see [Note: an owner
+    builds the graphs the master traced] in rpcmp/plan/shipped.py), so that taking over a lost or drained stage
+    later costs a build, not a trace as well (seconds: 5 s of a 5 s recovery for a small GPT-2); of a split by
+    name or slice, make the model on the meta device. A failure here says nothing: the build that needs it reports it."""
     served = current()
     try:
         with served.build_lock:

@@ -10,7 +10,7 @@ Three forms are accepted as ``Job(stages=...)``:
 
 The master turns the declaration into small picklable :class:`StageSpec` records
 (:func:`plan_stages`); each owner builds only its own stage from its own import of the
-job (:func:`build_stage`), so no process needs to ship modules over the wire.
+job (:func:`build_stage`; a traced one from the graphs the master traced, structure only): no values travel.
 
 A stage is called with one argument, the previous stage's output.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -28,14 +28,13 @@ from torch import nn
 
 from .balance import balance_by_params, balance_by_time
 from .chain import check_chain
-from .materialize import (COMPILED, attach_tensor, build_part, build_whole, check_materialized, graph_constants, keep_persistence,
-                          meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
+from .materialize import COMPILED, build_part, build_whole, meta_model, tensor_table
 from .placement import place_unused, shared_params
-from .graphs import forget_trace, place_graph
 from .strange import refuse_strange
 from .export import traces
-from .traced import (SplitAt, attach_eval, check_any_batch_size, check_same_cut, example_of, from_example, graph_copy,
-                     outputs_no_gradient, same_graphs, stage_module)
+from .traced import SplitAt, check_any_batch_size, check_same_cut, example_of, from_example, outputs_no_gradient, same_graphs
+from .shipped import ship_stage
+from .tracedbuild import as_cut, build_traced
 from .lengths import input_sizes, require_any_length
 from .unreached import unreached_values
 from .writes import has_batch_state, meta_findings, traced_writes
@@ -87,18 +86,20 @@ class StageSpec:
     stop: int = 0
     prefix: str = ""  # key prefix of this stage's state_dict in the unsplit model's
     total: int = 0  # "slice": layers the whole nn.Sequential must have (sum of the balance)
-    example: Any = None  # "traced": shapes and dtypes of the micro-batch the owner traces with
+    example: Any = None  # "traced": shapes and dtypes of the micro-batch the model was traced with
     has_bn: bool = False  # "traced": the model has BatchNorm (a traced graph holds no BatchNorm modules)
     writes: tuple[str, ...] = ()  # buffers the model's training forward writes (rpcmp.plan.writes), where a sample was given
     unused: tuple[str, ...] = ()  # "traced": tensors no graph reads, kept here (see [Note: parameters forward does not use])
     tied: tuple[tuple[str, str], ...] = ()  # (name here, the unsplit model's first name) of parameters other stages share
     sizes: tuple = ()  # "traced": per input tensor, each dimension's size where the graph fixes it, else None
     cut: tuple[str, ...] = ()  # "traced": the SplitAt points the graph was cut at (a re-cut moves them)
-    one_graph: bool = False  # "traced": the model traces alike in train and eval mode: an owner traces it once
+    one_graph: bool = False  # "traced": the model traces alike in train and eval mode: one graph runs both
     detached: bool = False  # the next stage takes no gradient of this one's output (see rpcmp.owner.reach)
     detached_values: tuple[int, ...] = ()  # nor of these of its tensors, by position: sent detached (rpcmp.plan.unreached)
     detached_posts: tuple[tuple[int, str], ...] = ()  # (stage, name) of posted values their reader takes no gradient of
     mixes: tuple[str, ...] = ()  # the model's outputs whose samples meet (see rpcmp.plan.writes.batch_sized)
+    # "traced": its route and graphs as the master traced them (see [Note: an owner builds the graphs the master traced])
+    graphs: bytes = field(default=b"", repr=False, compare=False)
 
 
 def declaration_kind(stages: Any) -> str:
@@ -198,7 +199,7 @@ def build_stage(job, spec: StageSpec, meta: bool = False, device: torch.device |
     owner materializes only its part]). ``meta``: its structure only, on the meta device; ``device``:
     where the stage will run (a traced graph creates tensors there)."""
     if spec.kind == "traced":  # see [Note: split points on the traced model]
-        return _build_traced(job, spec, meta, device)
+        return build_traced(job, spec, meta, device)
     if meta and spec.kind != "modules":
         return copy.deepcopy(_pick(job, spec, cached_meta(job)))  # a part of the one this process keeps
     if spec.kind == "modules":
@@ -228,10 +229,11 @@ def build_empty(job, spec: StageSpec, device: torch.device | str) -> nn.Module |
 
 
 def warm_trace(job, spec: StageSpec) -> None:
-    """Trace the model that ``spec`` was cut from (a traced stage) or keep it on the meta device (by name or slice),
-    so that a later build of any stage of it here skips that (a spare's: 25 ms of 40 for the demo's decoder)."""
-    if spec.kind == "traced":
-        traces(_as_cut(job, spec), spec.example, eval_too=not spec.one_graph)
+    """Trace the model that ``spec`` was cut from (a traced stage whose graphs the plan does not carry) or keep it on
+    the meta device (by name or slice), so that a later build of any stage of it here skips that (a spare's: 25 ms
+    of 40 for the demo's decoder)."""
+    if spec.kind == "traced" and not spec.graphs:  # a build from the master's graphs traces nothing
+        traces(as_cut(job, spec), spec.example, eval_too=not spec.one_graph)
     elif spec.kind in ("names", "slice"):
         cached_meta(job)
 
@@ -262,41 +264,6 @@ def _pick(job, spec: StageSpec, model: nn.Module) -> nn.Module:
             f"sum of balance: {spec.total}): make the balance add up to {len(seq)}"
         )
     return seq[spec.start:spec.stop]
-
-
-def _build_traced(job, spec: StageSpec, meta: bool = False, device: torch.device | str | None = None) -> nn.Module:
-    """Trace the model on the meta device as the master did, then give this stage, and only it,
-    the unsplit model's values: every tensor its graphs read (see [Note: every tensor a stage reads])."""
-    job = _as_cut(job, spec)
-    pipes = traces(job, spec.example, eval_too=not spec.one_graph)
-    modules = [graph_copy(pipe, spec.index) for pipe in pipes]  # the traces stay as they are for the next build
-    if not meta:
-        for module in modules:  # see [Note: a traced graph names the device it was traced on]
-            place_graph(module, torch.device(device or "cpu"))
-    stage = stage_module(pipes[0], spec.index, modules[0])
-    evaluated = attach_eval(stage, pipes[1], spec.index, modules[1])
-    if meta:
-        meta_values = tensor_table(meta_model(job)) if spec.unused else {}
-        for name in spec.unused:
-            attach_tensor(stage, name, meta_values[name])
-        return stage
-    names = {m: {n for names in tensor_names(m).values() for n in names} for m in (stage, evaluated)}
-    constants = {m: graph_constants(m) for m in (stage, evaluated)}
-    model = build_part(job, (names[stage] | names[evaluated] | set(spec.unused)).__contains__)
-    values = tensor_table(model)
-    for module, mine in names.items():  # one set of tensors for both graphs
-        for name in mine:
-            set_tensor(module, name, values[name])
-        for name in constants[module]:
-            value = read_constant(model, name)
-            if value is not None:
-                set_constant(module, name, value.to(device or "cpu"))
-    for name in spec.unused:  # see [Note: parameters forward does not use]
-        attach_tensor(stage, name, values[name])
-    keep_persistence(model, (stage, evaluated))
-    check_materialized({"train": stage, "eval": evaluated}, f"stage {spec.index} ({spec.name})")
-    forget_trace((stage, evaluated))
-    return stage
 
 
 _METAS: OrderedDict = OrderedDict()  # the last few meta models of this process (see cached_meta)
@@ -338,7 +305,8 @@ def _trace_plan(job, example: Any) -> list[StageSpec]:
     values = unreached_values(pipe, example)
     detached = {i - 1 for i in range(1, pipe.num_stages) if outputs_no_gradient(pipe.get_stage_module(i))}
     detached |= {k for k, (missed, count) in values.values.items() if len(missed) == count}
-    return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced",
+    pipes = [pipe, pipe if one else evaluated]
+    return [StageSpec(i, f"{bounds[i]}..{bounds[i + 1]}" if bounds else f"part {i}", "traced", graphs=ship_stage(pipes, i),
                       example=example_of(example), has_bn=bn, writes=writes, unused=tuple(unused[i]), tied=tied[i], sizes=sizes,
                       cut=tuple(job.stages.points), one_graph=one, mixes=mixes, detached=i in detached,
                       detached_values=() if i in detached else values.values.get(i, ((), 0))[0],
@@ -357,13 +325,6 @@ def replan(job, specs: list[StageSpec], cut: Any) -> list[StageSpec]:
         new = plan_stages(replace(job, stages=Split([int(b) for b in cut])), None)
     # what the forward writes and whether its samples meet are the model's, not the cut's
     return [replace(s, writes=specs[0].writes, mixes=specs[0].mixes) for s in new]
-
-
-def _as_cut(job, spec: StageSpec):
-    """``job`` as ``spec`` was planned: after a re-cut, a traced stage is cut at other points than ``job.stages``."""
-    if spec.kind != "traced" or not spec.cut or spec.cut == job.stages.points:
-        return job
-    return replace(job, stages=SplitAt(*spec.cut, lengths=job.stages.lengths))
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:

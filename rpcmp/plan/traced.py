@@ -11,8 +11,9 @@ in exactly one stage; a value a later stage needs (a Unet's skip features, a res
 stream) is handed along; parameters and buffers keep the unsplit model's names, so
 ``state_dict()`` and every checkpoint load into the plain model with ``strict=True``.
 rpcmp's own runtime runs the stages (not pipelining's schedules): the master traces the
-model on the meta device to plan; each owner traces it the same way, on the meta device too,
-and gives its own stage, and only it, the unsplit model's values (see [Note: each owner
+model on the meta device to plan, and the plan carries each stage's graphs to its owner (see
+[Note: an owner builds the graphs the master traced] in :mod:`rpcmp.plan.shipped`), which
+gives its own stage, and only it, the unsplit model's values (see [Note: each owner
 materializes only its part] in :mod:`rpcmp.plan.materialize`). Tracing needs a batch: the job's
 data, or ``Pipeline(sample=...)``. What ``torch.export`` cannot trace (data-dependent control
 flow) is refused with its message and the way out.
@@ -27,8 +28,8 @@ mode; each stage holds both graphs over the same parameters and buffers and runs
 one of its mode (:func:`attach_eval`). Both must cut the model alike
 (:func:`check_same_cut`). Where the two are the same graphs (:func:`same_graphs`: a model
 with no BatchNorm, no dropout but with p=0 and no other branch on ``self.training``), the
-plan says so (``StageSpec.one_graph``) and each owner traces the model once, in train mode,
-and runs that graph in both modes: half of an owner's tracing, which is most of its build.
+plan says so (``StageSpec.one_graph``): the model is traced once, in train mode, and each
+stage runs that graph in both modes (half the tracing, where an owner traces).
 
 [Note: any batch size]
 A stage runs micro-batches, a smaller last micro-batch, whole batches (BatchNorm) and
@@ -63,7 +64,7 @@ from torch import nn
 
 from ..errors import PartitionError
 
-__all__ = ["SplitAt", "stage_module", "graph_copy", "attach_eval",
+__all__ = ["SplitAt", "stage_module", "stage_route", "stage_graph", "graph_copy", "attach_eval",
            "check_same_cut", "same_graphs", "run_stages", "stage_flow", "check_any_batch_size", "example_of", "from_example",
            "outputs_no_gradient"]
 
@@ -297,16 +298,24 @@ def routed_stages(pipe):
             pipe.get_stage_module(i).__dict__.pop("forward", None)
 
 
-def stage_module(pipe, index: int, module: nn.Module | None = None) -> nn.Module:
+def stage_module(pipe, index: int, module: nn.Module | None = None, route: tuple | None = None) -> nn.Module:
     """Stage ``index`` of the traced ``pipe`` (or ``module``, a :func:`graph_copy` of it), callable with one
-    argument as every rpcmp stage is (see :class:`_Route`)."""
-    module = _graph_module(pipe, index) if module is None else module
-    module.forward = _Route(module.forward, _routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe),
-                            getattr(pipe, "rpcmp_out_spec", None))
+    argument as every rpcmp stage is (see :class:`_Route`); ``route``: its :func:`stage_route`, where the
+    graphs came from the master (``pipe`` is then None)."""
+    module = stage_graph(pipe, index) if module is None else module
+    module.forward = _Route(module.forward, *(route or stage_route(pipe, index)))
     return module
 
 
-def _graph_module(pipe, index: int) -> nn.Module:
+def stage_route(pipe, index: int) -> tuple:
+    """What stage ``index`` of ``pipe`` needs of the whole split graph to run (see :class:`_Route`): small and
+    picklable, for an owner that builds the graphs the master traced (rpcmp.plan.shipped)."""
+    return (_routes(pipe)[index], index == 0, index == pipe.num_stages - 1, _sizes(pipe),
+            getattr(pipe, "rpcmp_out_spec", None))
+
+
+def stage_graph(pipe, index: int) -> nn.Module:
+    """Stage ``index``'s graph module in ``pipe`` itself (:func:`graph_copy` for one a build may change)."""
     module = pipe.get_stage_module(index)
     if isinstance(module.graph._codegen, torch.fx.graph._PyTreeCodeGen):
         # The first stage's graph unpacks the model's whole input and fails when a leaf (a dict's entry)
@@ -319,14 +328,14 @@ def _graph_module(pipe, index: int) -> nn.Module:
 def graph_copy(pipe, index: int) -> nn.Module:
     """A copy of stage ``index``'s graph module that a build may change (devices, tensors, its route)
     while ``pipe`` stays as traced for the next build (node metadata is shared, not copied)."""
-    return copy.deepcopy(_graph_module(pipe, index))
+    return copy.deepcopy(stage_graph(pipe, index))
 
 
 def attach_eval(stage: nn.Module, eval_pipe, index: int, module: nn.Module | None = None) -> nn.Module:
     """Give traced ``stage`` the graph of the model traced in eval mode (or ``module``, a copy of it), run
     when ``stage.eval()``; returns that graph's module, whose tensors the caller makes the stage's own
     (see [Note: a traced stage in eval mode])."""
-    evaluated = _graph_module(eval_pipe, index) if module is None else module
+    evaluated = stage_graph(eval_pipe, index) if module is None else module
     stage.forward.module, stage.forward.eval_forward = stage, evaluated.forward
     return evaluated
 

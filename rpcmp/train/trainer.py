@@ -50,10 +50,10 @@ def _built(job, world_size: int, train_set, console: Console):
 @contextlib.contextmanager
 def building_stages(job, console: Console):
     """A line before the stages are built and one with how long that took (training and ``rpcmp predict``): a traced
-    split (SplitAt) traces the model on the master and on each owner first, seconds for a small model and minutes for
-    a large one, with nothing else to show meanwhile."""
+    split (SplitAt) traces the model on the master first, seconds for a small model and minutes for a large one, with
+    nothing else to show meanwhile."""
     traced = isinstance(job.stages, SplitAt)
-    console.print(f"building the stages{' (tracing the model with torch.export on the master and each owner)' if traced else ''} ...")
+    console.print(f"building the stages{' (tracing the model with torch.export)' if traced else ''} ...")
     start = time.perf_counter()
     yield
     console.print(f"stages built in {time.perf_counter() - start:.1f} s")

@@ -334,24 +334,27 @@ class _Dropped(nn.Module):
 
 
 @pytest.mark.parametrize("p,one", [(None, True), (0.0, True), (0.5, False)], ids=["no-dropout", "p0", "p0.5"])
-def test_an_owner_traces_once_where_train_and_eval_mode_trace_alike_and_its_stage_runs_both_modes(monkeypatch, p, one):
+def test_an_owner_builds_the_master_s_graphs_or_traces_once_where_both_modes_trace_alike(monkeypatch, p, one):
+    import dataclasses
     import rpcmp.plan.export as export
     job = rpcmp.Job(model=lambda: _Dropped(p), stages=rpcmp.SplitAt("fc2"))
     x = torch.randn(6, 16)
     specs = plan_stages(job, x)
-    assert all(s.one_graph is one for s in specs)  # dropout(x, 0, train) is x in either mode
+    assert all(s.one_graph is one for s in specs) and all(s.graphs for s in specs)  # dropout(x, 0, train) is x
     monkeypatch.setattr(export, "_TRACES", type(export._TRACES)())  # an owner's process: nothing traced yet
     traced = []
     monkeypatch.setattr(export, "trace_split", lambda *a, **k: traced.append(1) or trace_split(*a, **k))
-    stages = [build_stage(job, s) for s in specs]
+    shipped = [build_stage(job, s) for s in specs]
+    assert traced == []  # built from the graphs the master traced
+    own = [build_stage(job, dataclasses.replace(s, graphs=b"")) for s in specs]  # graphs the master could not write
     assert len(traced) == (1 if one else 2)
     torch.manual_seed(job.seed)
     model = _Dropped(p)
-    for mode in ("eval", "train") if p != 0.5 else ("eval",):  # p=0.5: random masks in train mode
-        for module in (*stages, model):
-            getattr(module, mode)()
-        torch.testing.assert_close(run_stages(stages, x), model(x))
-
+    for stages in (shipped, own):
+        for mode in ("eval", "train") if p != 0.5 else ("eval",):  # p=0.5: random masks in train mode
+            for module in (*stages, model):
+                getattr(module, mode)()
+            torch.testing.assert_close(run_stages(stages, x), model(x))
 
 
 class _ByDevice(nn.Module):
