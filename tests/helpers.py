@@ -217,3 +217,26 @@ def descendant(root: int, comm: str) -> int | None:
                 return pid
     return None
 
+
+
+def same_built_graphs(job, specs) -> bool:
+    """Whether the graphs each traced spec carries (rpcmp/plan/shipped.py) are those the trace gave, node for node
+    (every graph of pipelining's modules within modules: their code), over the same meta tensors."""
+    from rpcmp.plan.export import traces
+    from rpcmp.plan.graphs import graphs
+    from rpcmp.plan.shipped import unship_stage
+    from rpcmp.plan.traced import graph_copy
+
+    def code(module):
+        return {name: (type(m).__name__, graph.python_code("self").src) for name, m, graph in graphs(module)}
+
+    def tensors(module):
+        return {k: (v.shape, v.dtype, v.device, type(v)) for k, v in module.state_dict(keep_vars=True).items()}
+    pipes = traces(job, specs[0].example, eval_too=not specs[0].one_graph)
+    for spec in specs:
+        _, modules = unship_stage(spec.graphs)
+        for shipped, pipe in zip(modules, pipes):
+            traced = graph_copy(pipe, spec.index)
+            if code(shipped) != code(traced) or tensors(shipped) != tensors(traced):
+                return False
+    return True

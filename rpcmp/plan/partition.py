@@ -76,7 +76,8 @@ class Split:
 
 @dataclass(frozen=True)
 class StageSpec:
-    """What an owner needs to build one stage: everything here is small and picklable."""
+    """What an owner needs to build one stage: everything here is small and picklable (a traced stage's graphs:
+    18-29 KB for a stage of a 4-layer Llama)."""
 
     index: int
     name: str

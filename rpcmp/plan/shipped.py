@@ -68,7 +68,7 @@ def _graph_module(state: dict, graph: torch.fx.Graph, class_name: str) -> torch.
     return module
 
 
-_COMPILED = {"_graph", "_code", "_lineno_map", "_prologue_start"}  # remade from the graph
+_COMPILED = {"_graph", "_code", "_lineno_map", "_prologue_start", "forward"}  # remade from the graph (a route: by the build)
 
 
 class _Pickler(pickle.Pickler):

@@ -6,7 +6,8 @@ micro-batch's), so such a model runs each training batch as one micro-batch unde
 default (see [Note: BatchNorm and micro-batches] in rpcmp/master/pipeline.py)."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from types import MappingProxyType
+from typing import Any, Mapping, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -42,7 +43,8 @@ class Found(NamedTuple):
     writes: tuple[str, ...] = ()  # buffers the training forward writes, by the unsplit model's names
     detached: tuple[int, ...] = ()  # stages whose output the next stage takes no gradient of
     mixes: tuple[str, ...] = ()  # outputs whose samples meet each other (:func:`batch_sized`)
-    values: dict = {}  # stage -> positions of its output's tensors that the next stage takes no gradient of
+    # stage -> positions of its output's tensors that the next stage takes no gradient of (read-only: one default)
+    values: Mapping[int, tuple[int, ...]] = MappingProxyType({})
 
 
 def meta_findings(job, sample: Any, ends: tuple = ()) -> Found:

@@ -20,7 +20,7 @@ from rpcmp.plan.graphs import graph_devices
 from rpcmp.plan.traced import run_stages
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
-from helpers import job_path, load  # noqa: E402
+from helpers import job_path, load, same_built_graphs  # noqa: E402
 
 MODELS = ("nanogpt", "hf_gpt2", "hf_llama")
 
@@ -60,6 +60,11 @@ def test_every_tensor_of_every_stage_has_the_unsplit_models_value(built):
             assert all(d == "cpu" for d in graph_devices(module).values()), graph_devices(module)
     assert seen == set(reference)  # every tensor of the model is on some stage, under its own names
     assert keys == set(whole.state_dict())  # non-persistent buffers (RoPE's inv_freq) stay out, as in the plain model
+
+
+def test_the_stages_are_built_from_the_graphs_the_master_traced_node_for_node(built):
+    name, job, specs, _, _ = built
+    assert all(s.graphs for s in specs) and same_built_graphs(job, specs), name
 
 
 def test_the_stages_take_any_sequence_length_and_predict_as_the_unsplit_model(built):

@@ -2,17 +2,16 @@
 for node, and the same stage; where they cannot be written or read, it traces them itself."""
 import dataclasses
 
-import pytest
 import torch
 from torch import nn
 
 import rpcmp
-from helpers import load
-from rpcmp.plan.export import _as_eager, traces
+from helpers import load, same_built_graphs
+from rpcmp.plan.export import _as_eager
 from rpcmp.plan.graphs import graphs
 from rpcmp.plan.partition import build_stage, plan_stages
 from rpcmp.plan.shipped import ship, unship_stage
-from rpcmp.plan.traced import graph_copy, run_stages
+from rpcmp.plan.traced import run_stages
 
 
 _RunningMean = type(load("ema").model()[1])  # tests/jobs/ema.py: a no_grad block whose op returns its input
@@ -22,42 +21,25 @@ def _ema_mlp():
     return nn.Sequential(nn.Linear(16, 32), _RunningMean(32), nn.Tanh(), nn.Linear(32, 8))
 
 
-def _code(module: nn.Module) -> dict:
-    return {name: (type(m).__name__, graph.python_code("self").src) for name, m, graph in graphs(module)}
-
-
-def _tensors(module: nn.Module) -> dict:
-    return {k: (v.shape, v.dtype, v.device, type(v)) for k, v in module.state_dict(keep_vars=True).items()}
-
-
-@pytest.mark.model
-@pytest.mark.parametrize("name", ["hf_llama", "ema"])
-def test_the_shipped_graphs_are_the_traced_graphs_node_for_node(name):
+def test_the_shipped_graphs_are_the_traced_graphs_node_for_node():
     """Every graph of every stage (pipelining's modules within modules) as traced, with the same meta tensors, and a
-    call of a plain Python function kept as a call (fx's own pickling traces such a function's code again and keeps
-    what it returned on the tracer's values: here the no_grad block's output, the gradient cut off)."""
+    call of a plain Python function kept as a call (fx's own pickling traces such a function's code again: here the
+    no_grad block's output would be the tracer's value, its gradient cut off). The language models:
+    tests/unit/plan/test_language_model_stages.py."""
     x = torch.randn(4, 16)
-    job = load("hf_llama") if name == "hf_llama" else rpcmp.Job(model=_ema_mlp, stages=rpcmp.SplitAt("2"))
-    sample = job.data()[0][:job.batch_size][0] if name == "hf_llama" else x
-    specs = plan_stages(job, sample)
-    pipes = traces(job, specs[0].example, eval_too=not specs[0].one_graph)
-    for spec in specs:
-        assert spec.graphs
-        route, modules = unship_stage(spec.graphs)
-        for shipped, pipe in zip(modules, pipes):
-            traced = graph_copy(pipe, spec.index)
-            assert _code(shipped) == _code(traced) and _tensors(shipped) == _tensors(traced)
-    if name == "ema":
-        assert any(n.target is _as_eager for _, _, graph in graphs(unship_stage(specs[0].graphs)[1][0])
-                   for n in graph.nodes)
-        stages = [build_stage(job, s) for s in specs]
-        torch.manual_seed(job.seed)
-        model = _ema_mlp()
-        out = run_stages(stages, x)
-        torch.testing.assert_close(out, model(x))
-        torch.testing.assert_close(stages[0].get_buffer("1.mean"), model[1].mean)  # the EMA written alike
-        out.sum().backward()  # through the block's input: the gradient reaches the first layer
-        assert stages[0].get_parameter("0.weight").grad is not None
+    job = rpcmp.Job(model=_ema_mlp, stages=rpcmp.SplitAt("2"))
+    specs = plan_stages(job, x)
+    assert same_built_graphs(job, specs)
+    assert any(n.target is _as_eager for _, _, graph in graphs(unship_stage(specs[0].graphs)[1][0])
+               for n in graph.nodes)
+    stages = [build_stage(job, s) for s in specs]
+    torch.manual_seed(job.seed)
+    model = _ema_mlp()
+    out = run_stages(stages, x)
+    torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(stages[0].get_buffer("1.mean"), model[1].mean)  # the EMA written alike
+    out.sum().backward()  # through the block's input: the gradient reaches the first layer
+    assert stages[0].get_parameter("0.weight").grad is not None
 
 
 def test_an_owner_traces_the_graphs_it_cannot_read():
