@@ -43,6 +43,7 @@ def _built(job, world_size: int, train_set, console: Console):
     """The engine; in pipeline mode (on the master), said while its stages are built (:func:`building_stages`)."""
     if job.mode != "pipeline":
         return make_engine(job, world_size, train_set)
+    current().status.checkpoint_dir = job.checkpoint_dir  # a process lost while the stages build: see fit
     with building_stages(job, console):
         return make_engine(job, world_size, train_set)
 

@@ -185,11 +185,14 @@ def test_a_worker_lost_in_the_final_evaluation_or_in_split_prediction_is_named(t
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_lost_while_its_stage_is_built_is_named():
-    proc = run_command("run", job_path("dies_in_eval"), "--local", "3", timeout=90, env={**os.environ, "DIE_AT_BUILD": "1"})
+def test_a_worker_lost_while_its_stage_is_built_is_named(tmp_path):
+    """With the folder it was given: the message told a run with --checkpoint-dir to pass --checkpoint-dir."""
+    proc = run_command("run", job_path("dies_in_eval"), "--local", "3", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                       timeout=90, env={**os.environ, "DIE_AT_BUILD": "1", "COLUMNS": "400"})
     assert proc.returncode != 0
-    assert "error: WorkerLostError: before the first step: worker1 (stage 0 layers[0:4]) stopped answering" \
-        in proc.stderr, proc.stderr
+    said = " ".join(proc.stderr.split())
+    assert "error: WorkerLostError: before the first step: worker1 (stage 0 layers[0:4]) stopped answering" in said, said
+    assert f"No checkpoint was written in {tmp_path / 'ckpt'} yet" in said, said
 
 
 @pytest.mark.timeout(240)
