@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .export import traces
-from .graphs import forget_trace, place_graph
+from .graphs import forget_trace, place_graph, run_as_code
 from .materialize import (attach_tensor, build_part, check_materialized, graph_constants, keep_persistence, meta_model,
                           read_constant, set_constant, set_tensor, tensor_names, tensor_table)
 from .shipped import unship_stage
@@ -29,8 +29,9 @@ def build_traced(job, spec, meta: bool = False, device: torch.device | str | Non
         # copies: the traces stay as they are for the next build
         shipped = stage_route(pipes[0], spec.index), [graph_copy(pipe, spec.index) for pipe in pipes]
     route, modules = shipped
-    if not meta:
-        for module in modules:  # see [Note: a traced graph names the device it was traced on]
+    for module in modules:
+        run_as_code(module)  # see [Note: a stage's graphs run as generated code]
+        if not meta:  # see [Note: a traced graph names the device it was traced on]
             place_graph(module, torch.device(device or "cpu"))
     stage = stage_module(None, spec.index, modules[0], route)
     evaluated = attach_eval(stage, None, spec.index, modules[1])

@@ -40,6 +40,9 @@ def test_the_shipped_graphs_are_the_traced_graphs_node_for_node():
     torch.testing.assert_close(stages[0].get_buffer("1.mean"), model[1].mean)  # the EMA written alike
     out.sum().backward()  # through the block's input: the gradient reaches the first layer
     assert stages[0].get_parameter("0.weight").grad is not None
+    from torch.export.unflatten import InterpreterModule  # see [Note: a stage's graphs run as generated code]
+    nested = [m for stage in stages for m in stage.modules() if isinstance(m, InterpreterModule)]
+    assert nested and not any(m._run_with_interpreter for m in nested)
 
 
 def test_an_owner_traces_the_graphs_it_cannot_read():
