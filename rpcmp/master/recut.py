@@ -67,7 +67,8 @@ def recut(pipe, cut, copy_of: bool = False, before_commit=None) -> float:
                        "which re-cuts every copy alike")
     cut = _checked(old_specs, cut)
     start = time.perf_counter()
-    if kind == "traced":  # where the plan cannot carry the graphs (rpcmp.plan.shipped), the owners trace as the master does
+    if kind == "traced" and not old_specs[0].graphs:  # a plan that cannot carry the graphs (rpcmp.plan.shipped):
+        # the owners trace the new cut while the master does (a plan that can carries the new cut's graphs)
         warm(sorted(set(pipe.owners) - {current().me}), dataclasses.replace(old_specs[0], cut=cut))
     specs = replan(pipe.job, old_specs, cut)
     if len(specs) != len(old_specs):
