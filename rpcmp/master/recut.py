@@ -16,9 +16,12 @@ are dropped after, and a new DistributedOptimizer takes over the old local optim
 a re-cut equals one without (dropout aside: a layer that changes process draws its masks from
 the other process's generator).
 
-A traced split is traced again for its new points, by the master (the plan) and, at the same
-time, by every owner (the builds): seconds, most of a re-cut (9.6 s for a 4-block GPT-2 over
-three owners on two cores, against 1 s for a ``Split``).
+A traced split is cut again by the master from the export its first plan made, marked at every block
+(see [Note: one export for every cut among siblings] in :mod:`rpcmp.plan.marks`), and its new plan
+carries each stage's graphs to its owner (:mod:`rpcmp.plan.shipped`): nothing is exported or traced
+again. Most of a re-cut is then pipelining's split of that export and the plan's checks on it (a
+4-block GPT-2 over three owners on two cores: 1.9-3.1 s, against 5.2-6.6 s when the master exported
+the model again for the new points; figures: benchmarks/PERFORMANCE.md).
 
 ``Job(rebalance=True)`` (:class:`Rebalancer`): after a warm-up, it measures each stage's busy
 time over a window of steps (its owner's CPU time when the stage has the process to itself,

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import PartitionError
 from .graphs import graphs, place_graph
+from .marks import Unplaced, exported, keep_only, marks_for, unmark
 from .materialize import meta_model
 from .repeats import outlined_once
 from .points import check_reached, check_stages
@@ -33,22 +34,26 @@ _TRACES: OrderedDict = OrderedDict()  # the last few traces of this process (see
 _TRACING = threading.Lock()  # two stages of one process are built at once, by two RPC threads
 
 
-def trace_split(model: nn.Module, split: SplitAt, sample: Any):
+def trace_split(model: nn.Module, split: SplitAt, sample: Any, key: tuple | None = None):
     """``torch.distributed.pipelining``'s ``Pipe`` of ``model`` cut at ``split``, traced on ``sample``
-    with a dynamic batch size where the model allows it (see [Note: any batch size])."""
-    from torch.distributed.pipelining import SplitPoint
+    with a dynamic batch size where the model allows it (see [Note: any batch size]). ``key``: the export is
+    kept under it for other cuts of the same model (see [Note: one export for every cut among siblings] in
+    :mod:`rpcmp.plan.marks`): (model factory, seed, sample's description, training mode)."""
     names = {n for n, _ in model.named_modules() if n}
     missing = [p for p in split.points if p not in names]
     if missing:
         raise PartitionError(f"SplitAt: {type(model).__name__} has no submodule {missing}: {_nearest(model, missing[0])}")
     _check_one_argument(model, sample)
-    spec = {p: SplitPoint.BEGINNING for p in split.points} or None
     # export cannot make a dimension of size 1 dynamic: trace a one-sample micro-batch as two
     sample = pytree.tree_map(lambda t: torch.cat([t, t]) if isinstance(t, torch.Tensor) and t.dim() and len(t) == 1
                              else t, sample)
     try:
         with _as_cpu(model, sample) as fake_sample:  # see [Note: traced as if on the CPU]
-            pipe, reached = _pipeline(model, split, spec, fake_sample)
+            try:
+                pipe, reached = _pipeline(model, split, marks_for(model, split.points), fake_sample, key)
+            except Unplaced:  # see [Note: one export for every cut among siblings]
+                unmark(model, marks_for(model, split.points))
+                pipe, reached = _pipeline(model, split, tuple(split.points), fake_sample, key)
     except PartitionError:  # a cause found and said
         raise
     except Exception as exc:  # noqa: BLE001 - any tracing failure means the same to the user
@@ -180,13 +185,14 @@ def _check_one_argument(model: nn.Module, sample: Any) -> None:
             f"model: a module whose forward(self, batch) returns self.m(**batch)")
 
 
-def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
-    from torch.distributed.pipelining import pipeline
-    from torch.distributed.pipelining._IR import Pipe
+def _pipeline(model: nn.Module, split: SplitAt, marks: tuple[str, ...], sample: Any, key: tuple | None):
+    """pipelining's ``Pipe`` of ``model`` exported with markers at ``marks`` and cut at ``split``'s points; the
+    modules whose markers it was cut at, in order."""
     why = None
     try:
-        with _exporting(Pipe, dynamic=True) as (out_specs, reached):
-            pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
+        pipe, reached, out_spec = _split(model, split, marks, sample, key, dynamic=True)
+    except Unplaced:
+        raise
     except Exception as exc:  # noqa: BLE001 - a model that fixes its batch size: traced for the size it has
         exc = exc.__cause__ or exc
         why = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
@@ -196,14 +202,24 @@ def _pipeline(model: nn.Module, split: SplitAt, spec: dict | None, sample: Any):
                 f"Face's gradient_checkpointing_enable), which torch.export cannot trace for any batch size ({why}). "
                 f"Enable it with gradient_checkpointing_kwargs={{'use_reentrant': False}}, or leave it off and set "
                 f"Job(recompute=True), which recomputes each stage's forward in its backward") from None
-        for point in split.points:  # pipeline() leaves the split points' forward wrapped
-            for attr in ("forward", "_orig_forward"):
-                model.get_submodule(point).__dict__.pop(attr, None)
-        with _exporting(Pipe, dynamic=False) as (out_specs, reached):
-            pipe = pipeline(model, mb_args=(sample,), split_spec=spec)
-    pipe.rpcmp_out_spec = out_specs[-1]  # see [Note: the model's output, as the model returns it]
+        unmark(model, marks)
+        pipe, reached, out_spec = _split(model, split, marks, sample, key, dynamic=False)
+    pipe.rpcmp_out_spec = out_spec  # see [Note: the model's output, as the model returns it]
     pipe.rpcmp_why_fixed = why  # said where a fixed batch size is refused (rpcmp.plan.traced.check_any_batch_size)
-    return pipe, reached[-1]
+    return pipe, reached
+
+
+def _split(model: nn.Module, split: SplitAt, marks: tuple[str, ...], sample: Any, key: tuple | None, dynamic: bool):
+    """What ``torch.distributed.pipelining.pipeline`` does (mark, export, split), with the export kept and the
+    markers the cut does not cut at dropped (:mod:`rpcmp.plan.marks`)."""
+    from torch.distributed.pipelining import SplitPoint
+    from torch.distributed.pipelining._IR import Pipe, annotate_split_points
+    whole, reached, out_specs = marks != tuple(split.points), [], []
+    with _exporting(Pipe, dynamic, key, marks, whole, out_specs):
+        if marks:
+            annotate_split_points(model, {m: SplitPoint.BEGINNING for m in marks})
+        pipe = Pipe.from_tracing(model, (sample,), split_policy=keep_only(split.points, reached, whole))
+    return pipe, reached, out_specs[-1]
 
 
 def _reentrant(model: nn.Module) -> bool:
@@ -248,30 +264,30 @@ def _reachable(top: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def _exporting(pipe_cls, dynamic: bool):
+def _exporting(pipe_cls, dynamic: bool, key: tuple | None, marks: tuple[str, ...], whole: bool, out_specs: list):
     """pipelining's ``pipeline()`` exports with static shapes; export with dimension 0 of every
-    input dynamic instead (see [Note: any batch size]), and keep the structure of the model's output,
-    which pipelining's split graph flattens, and the split points in the order forward reaches them
-    (yielded: per export, its output spec and those points); outline a module forward calls more than once
-    as one module in each stage."""
-    plain, out_specs, reached = pipe_cls.__dict__["_trace_with_export"], [], []
+    input dynamic instead (see [Note: any batch size]), keep the export (:func:`rpcmp.plan.marks.exported`) and
+    the structure of the model's output, which pipelining's split graph flattens (appended to ``out_specs``);
+    outline a module forward calls more than once as one module in each stage."""
+    plain = pipe_cls.__dict__["_trace_with_export"]
 
     def trace(mod, example_args, example_kwargs=None):
-        batch = torch.export.Dim("batch")
-        shapes = pytree.tree_map(lambda t: _dims(t, batch) if isinstance(t, torch.Tensor) and t.dim() else None,
-                                 example_args) if dynamic else None
-        exported = torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
-        _inline_no_grad(exported.graph_module)
-        out_specs.append(exported.call_spec.out_spec)
-        reached.append([(list(n.meta.get("nn_module_stack", {}).values()) or [(None,)])[-1][0]
-                        for n in exported.graph.nodes if n.op == "call_function" and "_pipe_split" in str(n.target)])
-        return exported
+        def export():
+            batch = torch.export.Dim("batch")
+            shapes = pytree.tree_map(lambda t: _dims(t, batch) if isinstance(t, torch.Tensor) and t.dim() else None,
+                                     example_args) if dynamic else None
+            ep = torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
+            _inline_no_grad(ep.graph_module)
+            return ep
+        ep, out_spec = exported(key, marks, dynamic, export, whole)
+        out_specs.append(out_spec)
+        return ep
     pipe_cls._trace_with_export = staticmethod(trace)
     try:
         # outlined_once: see [Note: a module forward calls more than once]
         with warnings.catch_warnings(), outlined_once():  # pipelining deep-copies a tied parameter: here a fake one
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            yield out_specs, reached
+            yield
     finally:
         pipe_cls._trace_with_export = plain
 
@@ -373,7 +389,7 @@ def _trace(job, example: tuple, train: bool):
         if entry is None or entry[0] is not job.model:  # held here: another thread's build may drop it from the cache
             model = meta_model(job)
             entry = _TRACES[key] = (job.model, trace_split(model if train else model.eval(), job.stages,
-                                                           from_example(example, "meta")))
+                                                           from_example(example, "meta"), (job.model, *key[1:2], *key[3:])))
             while len(_TRACES) > 16:
                 _TRACES.popitem(last=False)
     return entry[1]
