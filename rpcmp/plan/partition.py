@@ -87,7 +87,8 @@ class StageSpec:
     stop: int = 0
     prefix: str = ""  # key prefix of this stage's state_dict in the unsplit model's
     total: int = 0  # "slice": layers the whole nn.Sequential must have (sum of the balance)
-    example: Any = None  # "traced": shapes and dtypes of the micro-batch the model was traced with
+    example: Any = None  # shapes and dtypes of the micro-batch a "traced" model was traced with, of the batch a
+    # "slice" plan ran the model on (a re-cut runs it again: replan)
     has_bn: bool = False  # "traced": the model has BatchNorm (a traced graph holds no BatchNorm modules)
     writes: tuple[str, ...] = ()  # buffers the model's training forward writes (rpcmp.plan.writes), where a sample was given
     unused: tuple[str, ...] = ()  # "traced": tensors no graph reads, kept here (see [Note: parameters forward does not use])
@@ -129,8 +130,10 @@ def plan_stages(job, sample: Any = None) -> list[StageSpec]:
         found = meta_findings(job, sample, ends)
         writes = tuple(dict.fromkeys(specs[0].writes + found.writes))  # a SplitAt's graphs say some
         mixes = specs[0].mixes or found.mixes  # a SplitAt's trace may have said
+        example = specs[0].example if specs[0].kind == "traced" else _described(sample)
         specs = [replace(s, writes=writes, detached=s.detached or s.index in found.detached, mixes=mixes,
-                         detached_values=s.detached_values or found.values.get(s.index, ())) for s in specs]
+                         detached_values=s.detached_values or found.values.get(s.index, ()), example=example)
+                 for s in specs]
     if job.model in COMPILED:  # see rpcmp.plan.materialize._construct
         warnings.warn("Job.model returns a torch.compile'd module: rpcmp splits the module it wraps and runs its "
                       "stages uncompiled, with its names (no '_orig_mod.' prefix)", stacklevel=2)
@@ -322,10 +325,19 @@ def replan(job, specs: list[StageSpec], cut: Any) -> list[StageSpec]:
         points = cut.points if isinstance(cut, SplitAt) else tuple(cut)
         new = _trace_plan(replace(job, stages=SplitAt(*points, lengths=job.stages.lengths)),
                           from_example(specs[0].example, "meta"))
-    else:
-        new = plan_stages(replace(job, stages=Split([int(b) for b in cut])), None)
+    else:  # which stages send their output, or some of its tensors, detached is the cut's (rpcmp.owner.reach)
+        sample = None if specs[0].example is None else from_example(specs[0].example, "meta")
+        new = plan_stages(replace(job, stages=Split([int(b) for b in cut])), sample)
     # what the forward writes and whether its samples meet are the model's, not the cut's
     return [replace(s, writes=specs[0].writes, mixes=specs[0].mixes) for s in new]
+
+
+def _described(sample: Any) -> Any:
+    """:func:`rpcmp.plan.traced.example_of` ``sample``, or None for a batch that holds more than tensors."""
+    try:
+        return example_of(sample)
+    except PartitionError:
+        return None
 
 
 def _check_names(model: nn.Module, names: list[str]) -> None:

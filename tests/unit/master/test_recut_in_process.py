@@ -117,3 +117,32 @@ def test_a_re_cut_that_joins_and_parts_a_tied_pair_keeps_it_one_parameter(job):
     assert_close_f32(state, ref_state)
     assert torch.equal(state["blocks.1.0.weight"], state["blocks.3.0.weight"])
     pipe.close()
+
+
+class _Codes(nn.Module):  # a hard decision: no floating output to carry a gradient back
+    def forward(self, x):
+        return x.argmax(-1)
+
+
+@pytest.mark.timeout(60)
+def test_a_split_re_cut_after_a_stage_that_outputs_codes_sends_detached_and_trains_as_the_unsplit_model(job):
+    """Which stage sends its output detached is the cut's: re-cut so that a stage outputs only ``argmax`` codes,
+    the stage before (in this process) sent its output with a gradient none could bring back, and the next step
+    waited for one forever. A ``Split`` re-cut runs the model on the meta device again, as its first plan did."""
+    codes = lambda: nn.Sequential(nn.Linear(16, 32), _Codes(), nn.Embedding(32, 32), nn.Linear(32, 8))  # noqa: E731
+    job = dataclasses.replace(job, model=codes, stages=rpcmp.Split([2, 1, 1]), placement=["master/cpu"] * 3,
+                              optimizer=(torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.1}))
+    serve(job)
+    data = batches(4)
+    torch.manual_seed(job.seed)
+    ref_losses, ref_state = train_reference(job.model(), job.optimizer, job.loss, data)
+    pipe = rpcmp.Pipeline(job, world_size=1, microbatches=4, sample=data[0][0])
+    losses = []
+    for step, (x, y) in enumerate(data):
+        if step == 2:
+            pipe.recut([1, 1, 2])
+            assert [s.detached for s in pipe.specs] == [True, False, False]
+        losses.append(pipe.train_step(x, y).item())
+    assert_close_f32(losses, ref_losses)
+    assert_close_f32(pipe.state_dict(), ref_state)
+    pipe.close()
