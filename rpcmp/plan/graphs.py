@@ -48,11 +48,22 @@ def run_as_code(module: nn.Module) -> None:
     it runs the code fx generated from the same graph, the same ops in the same order (what torch itself does
     under ``torch.compile``). Forward and backward of the three stages of tests/jobs/hf_llama.py on one batch,
     in one process: 21.4 ms through the interpreter, 9.6-9.9 ms as code; the traced Unet 155-168 ms and
-    139-141 ms. What is lost: an error inside a stage no longer names the graph node it happened at."""
+    139-141 ms. What is lost: an error inside a stage no longer names the graph node it happened at.
+    A node named ``self`` (the call of a submodule so named: BERT's ``attention.self``) would be a variable of
+    that name in the code, which takes the place of the module the code runs on (``self.output(...)`` then
+    failed on a tensor): it is renamed. A module whose graph has an input named ``self`` runs through the
+    interpreter."""
     from torch.export.unflatten import InterpreterModule
     for m in module.modules():
-        if isinstance(m, InterpreterModule):
-            m._run_with_interpreter = False
+        if not isinstance(m, InterpreterModule) or any(n.op == "placeholder" and n.name == "self"
+                                                        for n in m.graph.nodes):
+            continue
+        named_self = [n for n in m.graph.nodes if n.name == "self"]
+        for node in named_self:
+            node._rename("self_")
+        if named_self:
+            m.finalize()  # the code again, of the renamed graph
+        m._run_with_interpreter = False
 
 
 def graph_devices(module: nn.Module) -> dict[str, str]:

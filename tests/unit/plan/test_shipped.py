@@ -57,3 +57,49 @@ def test_an_owner_traces_the_graphs_it_cannot_read():
 
 def test_what_cannot_be_written_ships_as_nothing():
     assert ship(lambda x: x) == b""  # the owner traces
+
+
+class _Attention(nn.Module):
+    """Named as BERT's: ``attention.self`` then ``attention.output``."""
+
+    def __init__(self):
+        super().__init__()
+        self.add_module("self", nn.Linear(8, 8))
+        self.output = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.output(getattr(self, "self")(x).relu())
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = _Attention()
+
+    def forward(self, x):
+        return self.attention(x) + x
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.ModuleList(_Layer() for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layer:
+            x = layer(x)
+        return x
+
+
+def test_a_submodule_named_self_runs_as_code_as_the_unsplit_model():
+    """Its call is a graph node named ``self``, which the generated code made a variable that took the place of the
+    module it runs on: BERT's stages failed on their first micro-batch (``'Tensor' object has no attribute
+    'output'``). The node is renamed; every nested module still runs as code."""
+    x = torch.randn(4, 8)
+    job = rpcmp.Job(model=_Encoder, stages=rpcmp.SplitAt("layer.1"))
+    stages = [build_stage(job, s) for s in plan_stages(job, x)]
+    from torch.export.unflatten import InterpreterModule
+    nested = [m for stage in stages for m in stage.modules() if isinstance(m, InterpreterModule)]
+    assert nested and not any(m._run_with_interpreter for m in nested)
+    torch.manual_seed(job.seed)
+    torch.testing.assert_close(run_stages(stages, x), _Encoder()(x))
