@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..core.checkpoint import (CheckpointError, check_model_keys, model_fingerprint,
+from ..core.checkpoint import (CheckpointError, check_model_keys, latest_checkpoint, model_fingerprint,
                          new_run_id, save_checkpoint)
 from ..core import health
 from ..core.served import current
@@ -322,6 +322,10 @@ def _start(job, engine, console: Console) -> tuple[int, int, int, str | None]:
                           f"interrupted save left in {job.checkpoint_dir}: " + ", ".join(n for n, _ in removed[:4])
                           + (", ..." if len(removed) > 4 else ""))
     resume = job.resume or (served.previous_run is not None and job.checkpoint_dir)
+    if not resume and job.checkpoint_dir and (latest := latest_checkpoint(job.checkpoint_dir)):  # a forgotten --resume?
+        console.print(f"{job.checkpoint_dir} holds another run's checkpoints (the latest: {os.path.basename(latest)}): "
+                      f"this run starts from step 0 as a new run and keeps its own beside them (--resume continues the "
+                      f"latest)")
     return _resume(job, engine, console, served.previous_run) if resume else (0, 0, 0, None)
 
 

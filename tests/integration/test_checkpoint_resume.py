@@ -74,7 +74,9 @@ def test_a_second_run_in_the_same_folder_keeps_both_runs_and_resume_continues_th
     folder = str(tmp_path)
     assert run_ranks("mlp", 3, _fit, {"checkpoint_dir": folder, "max_steps": 40, "checkpoint_every": 20, "epochs": 2})
     first = load_checkpoint(folder)
-    assert run_ranks("mlp", 3, _fit, {"checkpoint_dir": folder, "max_steps": 10, "checkpoint_every": 5})
+    steps, said = run_ranks("mlp", 3, _fit_and_say, {"checkpoint_dir": folder, "max_steps": 10, "checkpoint_every": 5})
+    assert steps == 10 and (f"holds another run's checkpoints (the latest: step-00000040.{first['run']}.pt): this run "
+                            f"starts from step 0 as a new run") in " ".join(said.split())  # a forgotten --resume?
     second = load_checkpoint(folder)  # the folder's latest is the run written last, not the higher step
     assert second["run"] != first["run"] and second["step"] == 10
     a, b = first["run"], second["run"]
