@@ -278,6 +278,9 @@ def _exporting(pipe_cls, dynamic: bool, key: tuple | None, marks: tuple[str, ...
                                      example_args) if dynamic else None
             ep = torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
             _inline_no_grad(ep.graph_module)
+            meta = _each_once(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+            for table in (ep.state_dict, ep.constants):  # kept: its fake tensors as meta ones, as after every trace
+                table.update({k: meta(t) for k, t in table.items() if isinstance(t, torch.Tensor) and not t.is_meta})
             return ep
         ep, out_spec = exported(key, marks, dynamic, export, whole)
         out_specs.append(out_spec)

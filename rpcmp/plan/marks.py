@@ -15,7 +15,9 @@ each cut drops the markers of the children it does not cut at before pipelining 
 model in one process exports nothing again. Points of different modules are marked alone and the export kept
 for that cut only. A marker a trace cannot place in a module (no ``nn_module_stack``) cannot be told from the
 others: that export is made again with the points alone. An export that failed with a dynamic batch is kept
-as its error, so the fallback to a fixed batch (:mod:`rpcmp.plan.export`) does not try it again.
+as its error, so the fallback to a fixed batch (:mod:`rpcmp.plan.export`) does not try it again. The kept
+program's parameters, buffers and constants are meta tensors, as everything a trace leaves (fake ones, which
+hold no memory either, counted as the master's parameters on the CPU: tests/integration/test_owner_parts.py).
 """
 from __future__ import annotations
 
