@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import PartitionError
-from .graphs import graphs, place_graph
+from .graphs import graphs, place_graph, unshadow
 from .marks import Unplaced, exported, keep_only, marks_for, unmark
 from .materialize import meta_model
 from .repeats import outlined_once
@@ -63,6 +63,8 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any, key: tuple | None
             f"{type(exc).__name__}: {_what_to_do(model, str(exc).strip())}") from None
     check_reached(type(model).__name__, split, reached)
     check_stages(type(model).__name__, split, pipe)
+    for i in range(pipe.num_stages):
+        unshadow(pipe.get_stage_module(i))  # see [Note: a node named self] in rpcmp/plan/graphs.py
     _back_to_meta(pipe)
     return pipe
 

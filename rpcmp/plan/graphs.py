@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["place_graph", "graph_devices", "graphs", "forget_trace", "run_as_code"]
+__all__ = ["place_graph", "graph_devices", "graphs", "forget_trace", "run_as_code", "unshadow"]
 
 
 def place_graph(stage: nn.Module, device: torch.device, of: str = "meta") -> None:
@@ -48,22 +48,27 @@ def run_as_code(module: nn.Module) -> None:
     it runs the code fx generated from the same graph, the same ops in the same order (what torch itself does
     under ``torch.compile``). Forward and backward of the three stages of tests/jobs/hf_llama.py on one batch,
     in one process: 21.4 ms through the interpreter, 9.6-9.9 ms as code; the traced Unet 155-168 ms and
-    139-141 ms. What is lost: an error inside a stage no longer names the graph node it happened at.
-    A node named ``self`` (the call of a submodule so named: BERT's ``attention.self``) would be a variable of
-    that name in the code, which takes the place of the module the code runs on (``self.output(...)`` then
-    failed on a tensor): it is renamed. A module whose graph has an input named ``self`` runs through the
-    interpreter."""
+    139-141 ms. What is lost: an error inside a stage no longer names the graph node it happened at."""
     from torch.export.unflatten import InterpreterModule
     for m in module.modules():
-        if not isinstance(m, InterpreterModule) or any(n.op == "placeholder" and n.name == "self"
-                                                        for n in m.graph.nodes):
-            continue
-        named_self = [n for n in m.graph.nodes if n.name == "self"]
-        for node in named_self:
+        if isinstance(m, InterpreterModule):
+            m._run_with_interpreter = False
+
+
+def unshadow(module: nn.Module) -> None:
+    """[Note: a node named self]
+    The call of a submodule named ``self`` (BERT's ``attention.self``, or a model's own child so named) is a graph
+    node named ``self``, a variable of that name in the code fx generates, where it takes the place of the module
+    the code runs on: ``self = self.self(x); output = self.output(self)`` failed on a tensor (BERT's stages on
+    their first micro-batch, once they ran as code; a top-level child so named failed the plan's first run). Each
+    such node of ``module``'s graphs is renamed, and the code made again."""
+    from torch.export.unflatten import InterpreterModule
+    for _, m, graph in graphs(module):
+        named = [n for n in graph.nodes if n.name == "self" and n.op != "placeholder"]
+        for node in named:
             node._rename("self_")
-        if named_self:
-            m.finalize()  # the code again, of the renamed graph
-        m._run_with_interpreter = False
+        if named:
+            m.finalize() if isinstance(m, InterpreterModule) else m.recompile()
 
 
 def graph_devices(module: nn.Module) -> dict[str, str]:
