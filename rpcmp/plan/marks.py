@@ -84,6 +84,7 @@ def exported(key: tuple | None, marks: tuple[str, ...], dynamic: bool, export: C
         _keep(full, (key[0] if key else None, exc, None))
         raise
     if whole and any(marked_module(n) is None for n in _markers(ep.graph_module)):
+        _keep(full, (key[0] if key else None, Unplaced(), None))  # the next cut goes straight to its points alone
         raise Unplaced()
     _keep(full, (key[0] if key else None, ep, ep.call_spec.out_spec))
     return ep, ep.call_spec.out_spec

@@ -75,3 +75,5 @@ def test_a_marker_that_names_no_module_has_the_cut_exported_with_its_points_alon
     job = rpcmp.Job(model=_Blocks, stages=rpcmp.SplitAt("blocks.1", "blocks.3"))
     names, _ = _built(job, x)
     assert names == ["input..blocks.1", "blocks.1..blocks.3", "blocks.3..output"] and len(made) == 4
+    recut = dataclasses.replace(job, stages=rpcmp.SplitAt("blocks.2"))  # straight to its points alone: train, eval
+    assert _built(recut, x)[0] == ["input..blocks.2", "blocks.2..output"] and len(made) == 6
