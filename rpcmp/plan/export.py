@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ..errors import PartitionError
-from .graphs import graphs, place_graph, unshadow
+from .graphs import each_once, graphs, meta_of, place_graph, unshadow
 from .marks import Unplaced, exported, keep_only, marks_for, unmark
 from .materialize import meta_model
 from .repeats import outlined_once
@@ -96,7 +96,7 @@ def _as_cpu(model: nn.Module, sample: Any):
     def on_cpu(t):
         with mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-    fake_of = _each_once(on_cpu)
+    fake_of = each_once(on_cpu)
 
     def fake(t):
         return fake_of(t) if isinstance(t, torch.Tensor) and t.is_meta else t
@@ -116,7 +116,7 @@ def _back_to_meta(pipe) -> None:
     """What the trace kept of the fake tensors, as meta tensors, and ``meta`` where its graphs name the CPU
     (see [Note: traced as if on the CPU])."""
     from torch._subclasses.fake_tensor import FakeTensor
-    meta = _each_once(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    meta = each_once(meta_of)
     for table, key, t in _entries(_reachable(pipe.split_gm)):
         if isinstance(t, torch.Tensor) and not t.is_meta:  # fake, or a constant the trace made from Python
             table[key] = meta(t)  # values: unknown on meta, as before (rpcmp.plan.strange says so)
@@ -240,18 +240,6 @@ def _entries(modules):
                     yield table, key, value
 
 
-def _each_once(make):
-    """``make`` of each tensor, once (tied tensors stay one); of a parameter, a parameter."""
-    made: dict[int, torch.Tensor] = {}
-
-    def convert(t):
-        if id(t) not in made:
-            new = make(t)
-            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-        return made[id(t)]
-    return convert
-
-
 def _reachable(top: nn.Module) -> list[nn.Module]:
     """``top``'s modules and those its graphs name as the module they were first made for, and theirs."""
     found, todo = {}, [top]
@@ -280,7 +268,7 @@ def _exporting(pipe_cls, dynamic: bool, key: tuple | None, marks: tuple[str, ...
                                      example_args) if dynamic else None
             ep = torch.export.export(mod, example_args, example_kwargs, dynamic_shapes=shapes)
             _inline_no_grad(ep.graph_module)
-            meta = _each_once(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+            meta = each_once(meta_of)
             for table in (ep.state_dict, ep.constants):  # kept: its fake tensors as meta ones, as after every trace
                 table.update({k: meta(t) for k, t in table.items() if isinstance(t, torch.Tensor) and not t.is_meta})
             return ep

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["place_graph", "graph_devices", "graphs", "forget_trace", "run_as_code", "unshadow"]
+__all__ = ["place_graph", "graph_devices", "graphs", "forget_trace", "run_as_code", "unshadow", "each_once", "meta_of"]
 
 
 def place_graph(stage: nn.Module, device: torch.device, of: str = "meta") -> None:
@@ -38,7 +38,7 @@ def place_graph(stage: nn.Module, device: torch.device, of: str = "meta") -> Non
             if len(hits) > before:
                 node.args, node.kwargs = args, kwargs
         if hits:
-            module.recompile() if isinstance(module, torch.fx.GraphModule) else module.finalize()
+            _regenerate(module)
 
 
 def run_as_code(module: nn.Module) -> None:
@@ -62,13 +62,17 @@ def unshadow(module: nn.Module) -> None:
     the code runs on: ``self = self.self(x); output = self.output(self)`` failed on a tensor (BERT's stages on
     their first micro-batch, once they ran as code; a top-level child so named failed the plan's first run). Each
     such node of ``module``'s graphs is renamed, and the code made again."""
-    from torch.export.unflatten import InterpreterModule
     for _, m, graph in graphs(module):
         named = [n for n in graph.nodes if n.name == "self" and n.op != "placeholder"]
         for node in named:
             node._rename("self_")
         if named:
-            m.finalize() if isinstance(m, InterpreterModule) else m.recompile()
+            _regenerate(m)
+
+
+def _regenerate(module: nn.Module) -> None:
+    """The code of ``module``'s graph made again after the graph changed (a graph module's, or pipelining's)."""
+    module.recompile() if isinstance(module, torch.fx.GraphModule) else module.finalize()
 
 
 def graph_devices(module: nn.Module) -> dict[str, str]:
@@ -109,3 +113,20 @@ def described(spec, exc: BaseException) -> str:
                   "its path by the tensors' device type took the CPU's path, and an op on it may have no kernel on "
                   "this device. Make that choice another way, or cut the model by modules (rpcmp.Split)")
     return f"{type(exc).__name__}: {first}" + (f"\n{rest}" if rest else "")
+
+
+def each_once(make):
+    """``make`` of each tensor, once (tied tensors stay one); of a parameter, a parameter."""
+    made: dict[int, torch.Tensor] = {}
+
+    def convert(t):
+        if id(t) not in made:
+            new = make(t)
+            made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        return made[id(t)]
+    return convert
+
+
+def meta_of(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape, strides and dtype."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
