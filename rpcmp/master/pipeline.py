@@ -71,15 +71,16 @@ from . import inbox, move, recut, tied
 from ..owner import grads, stage
 from ..errors import JobError, StageError
 from ..data import needs_sample, sample_batch
+from .building import build_stages
 from .executor import run_step
 from .sync import LocalMerge
-from ..core.futures import call_each, raise_failures, wait_all
+from ..core.futures import call_each, wait_all
 from ..core.groups import Grouped, plan_groups
 from ..core.hparams import StageFields
 from ..plan.schedule import SCHEDULES
 from ..core.microbatch import batch_size, gather, map_tensors, scatter
 from ..plan.partition import StageSpec, cached_meta, plan_stages
-from ..plan.placement import Place, process_name, resolve_placement
+from ..plan.placement import Place, resolve_placement
 from ..plan.topology import stage_world
 from ..core.policy import GradientPolicy, NonFinite
 from ..core.served import RunStatus, current
@@ -95,7 +96,7 @@ class Pipeline(PipelineState):
     def __init__(self, job, world_size: int, *, microbatches: int | None = None,
                  optimizer: tuple | None = None, schedule: str | None = None, sample: Any = None,
                  status: RunStatus | None = None, places: list[Place] | None = None, sync=None,
-                 specs: list[StageSpec] | None = None):
+                 specs: list[StageSpec] | None = None, spares: list[str] | None = None):
         self.job = job
         self.microbatches = microbatches or job.microbatches
         self.schedule = schedule or job.schedule
@@ -114,22 +115,10 @@ class Pipeline(PipelineState):
         self.pid, self._seq = served.next_pipeline_id(), 0
         self.status = status or served.status  # what failure messages say the run was doing
         self.label_stages()
-        futs, options = [], {k: getattr(job, k) for k in ("precision", "device_maps", "recompute", "wire")}
+        options = {k: getattr(job, k) for k in ("precision", "device_maps", "recompute", "wire")}
         options["owners"], options["deliver"] = list(self.owners), inbox.deliver
         self.build_options = options  # what a stage built later is built with (rpcmp.master.move)
-        for i, (spec, place) in enumerate(zip(self.specs, self.places)):
-            nxt = self.places[i + 1].process if i + 1 < len(self.places) else None
-            # A build may trace the model and draw every initial value of its stage: minutes for a large one or on a
-            # busy node, so not the per-call timeout (a GPT-2 traced by five processes beside a test suite took 60 s).
-            # A lost owner still fails it at once (its connection closes).
-            futs.append(rpc.rpc_async(place.process, stage.build, args=(self.pid, spec, place, nxt, job.call_timeout,
-                                                                        options), timeout=max(job.call_timeout, 900.0)))
-        # a spare traces while the owners build: taking over a stage early in the run costs a build, not a trace too
-        move.warm([process_name(r) for r in range(stage_world(job, world_size), world_size)], self.specs[0])
-        # A worker lost while building is named; a stage that failed to build says so itself.
-        with health.explained(lambda exc: exc if isinstance(exc, StageError) else self.explain(exc)):
-            built = wait_all(futs)
-        raise_failures(built)  # see [Note: failures travel as values]
+        built = build_stages(self, world_size, spares)  # a lost owner's stages on a spare: see rpcmp/master/building.py
         self.stage_rrefs = [refs for refs, _, _ in built]  # each stage's parameters, for the DistributedOptimizer
         self.param_rrefs = [r for refs in self.stage_rrefs for r in refs]
         # Each stage as PyTorch's RPC API knows it (forward_async, remote_parameters, get_module_rref); the

@@ -62,9 +62,11 @@ __all__ = ["ReplicaSync", "Replicated", "pipeline_for", "shard", "unshard"]
 def pipeline_for(job, world_size: int, status=None):
     """What the master drives for ``job``: a :class:`~rpcmp.Pipeline`, or R copies of one as a :class:`Replicated`."""
     from .pipeline import Pipeline
-    if Topology.for_run(job, world_size).replicated:
-        return Replicated(job, world_size, Pipeline, status=status)
-    return Pipeline(job, world_size, status=status)
+    topology = Topology.for_run(job, world_size)
+    spares = list(topology.spares)  # one takes an owner lost in the build: see rpcmp/master/building.py
+    if topology.replicated:
+        return Replicated(job, world_size, Pipeline, status=status, spares=spares)
+    return Pipeline(job, world_size, status=status, spares=spares)
 
 
 class ReplicaSync:
@@ -119,7 +121,7 @@ class Replicated:
     """R :class:`~rpcmp.Pipeline` copies that train as one (see [Note: replicas of a pipeline]);
     what the trainer asks of a pipeline, it asks of this."""
 
-    def __init__(self, job, world_size: int, pipeline_cls, status=None, sample: Any = None):
+    def __init__(self, job, world_size: int, pipeline_cls, status=None, sample: Any = None, spares: list[str] | None = None):
         self.job, self.copies = job, job.replicas
         grid = Topology.for_run(job, world_size).grid
         self.meeting = ReplicaSync(self.copies, timeout=max(job.call_timeout, job.hang_timeout or 0) * 4)
@@ -130,13 +132,15 @@ class Replicated:
         specs = pipeline_cls.plan(job, sample)
         self.pipes = [f.result() for f in [self._threads.submit(pipeline_cls, job, world_size, places=grid[i],
                                                                 sync=ReplicaReduce(i, self.meeting), status=status,
-                                                                specs=specs)
+                                                                specs=specs, spares=spares)
                                            for i in range(self.copies)]]
         self.status = self.pipes[0].status
         self.label_stages()
         self.taken: list[int] = []
-        if _REGROUPED:  # the launch's groups no longer pair this grid's processes: pair them again
-            self.regroup(list(range(len(specs))))
+        # a spare that took a lost owner's stages in the build is in none of the launch's groups
+        moved = sorted({k for p, row in zip(self.pipes, grid) for k, (a, b) in enumerate(zip(p.places, row)) if a != b})
+        if _REGROUPED or moved:  # the launch's groups no longer pair this grid's processes: pair them again
+            self.regroup(list(range(len(specs))) if _REGROUPED else moved)
 
     def move_stage(self, index: int, target: str, replica: int = 0) -> float:
         """Move stage ``index`` of copy ``replica`` to process ``target`` between two steps (as

@@ -81,7 +81,8 @@ class PipelineEngine:
         self.pipe, self.job = pipe, job
         self.replicated = topology is not None and topology.replicated
         self.status = pipe.status
-        self.spares = list(topology.spares) if topology is not None else []  # free processes, in rank order
+        held = {place.process for _, _, place in pipe.rows}  # a spare may have taken a lost owner's stages in the build
+        self.spares = [s for s in topology.spares if s not in held and s not in current().lost] if topology else []  # rank order
         every = job.snapshot_every if job.snapshot_every is not None else 10
         # Spares take over a lost owner's stage, rebuilt from a snapshot (see [Note: recovery from a lost owner]).
         self.snapshots = Snapshots(pipe, every, self.spares) if self.spares and not self.replicated else None

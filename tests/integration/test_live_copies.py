@@ -51,6 +51,19 @@ def test_with_replicas_a_lost_copy_is_rebuilt_from_the_live_copy_and_no_step_is_
 
 
 @pytest.mark.timeout(300)
+def test_an_owner_lost_while_the_copies_build_is_replaced_by_the_spare_and_trains_as_uninterrupted(tmp_path,
+                                                                                                   replicated_clean):
+    """worker3 (replica 0's stage 1) killed in its build: the spare builds that stage from the job's seed, the copies of
+    stage 1 average in a group of their own, and every step is the uninterrupted run's."""
+    building = str(tmp_path / "building")
+    code, out = _run_and_hit(tmp_path / "run", [(building, "worker3", signal.SIGKILL)], *REPLICATED,
+                             job="replicated_slow_build", env={"RPCMP_TEST_BUILDING": building})
+    assert code == 0, out
+    assert "worker3 was lost while the stages were built; stage 1 (" in out and "built on worker5 (a spare)" in out, out
+    _assert_as_uninterrupted(tmp_path / "run", replicated_clean)
+
+
+@pytest.mark.timeout(300)
 def test_a_spare_lost_while_it_takes_over_a_copy_s_stage_is_replaced_by_the_next(tmp_path, replicated_clean):
     """Two spares: the first (worker5) is killed once every owner is routed to it, while it takes the live copy's
     values (tests/jobs/slow_spare.py); the second takes over from the live copy, and no step is lost. (A spare lost

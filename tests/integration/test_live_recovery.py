@@ -177,6 +177,21 @@ def test_an_owner_lost_at_an_epoch_s_end_or_the_run_s_is_recovered_or_harmless(t
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_owner_lost_while_the_stages_build_is_replaced_by_the_spare_and_the_model_equals_an_uninterrupted_run(
+        tmp_path, uninterrupted, sig):
+    """worker2 waits in its build (tests/jobs/three_slow_build.py) and is killed, or stopped past --hang-timeout and
+    fenced, there: the spare builds stage 1 from the job's seed (its dropout draws as worker2's would have)."""
+    building = str(tmp_path / "building")
+    code, out = _run_and_hit(tmp_path / "run", [(building, "worker2", sig)], "--spares", "1", "--hang-timeout", "5",
+                             job="three_slow_build", env={"RPCMP_TEST_BUILDING": building})
+    assert code == 0, out
+    assert "worker2 was lost while the stages were built; stage 1 (" in out and "built on worker4 (a spare) instead" in out, out
+    assert "recovered:" not in out and "spares: worker4" not in out, out  # no spare is left to announce
+    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
 def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL)], "--local", "4")
     assert code == 1, out
