@@ -9,9 +9,10 @@ job's seed, whichever process runs it, so the spare holds what the lost owner wo
 run trains the model an undisturbed run trains. The owners whose builds went through keep them and
 learn the new route, as after a recovery (:func:`rpcmp.master.move.route`); of a replicated pipeline, the
 copies of those stages then average in a group of their own (:meth:`rpcmp.master.replicas.Replicated.regroup`).
-There is no snapshot to roll back to yet and nothing to roll back: no step has run. Without a spare, with more owners lost than spares
-free, or when an owner's build itself failed (a :class:`~rpcmp.errors.StageError`), the run ends as
-before, naming what was lost.
+There is no snapshot to roll back to yet and nothing to roll back: no step has run. Without a spare, with
+more owners lost than spares free, or when an owner's build itself failed (a :class:`~rpcmp.errors.StageError`),
+the run ends as before, naming what was lost. A process lost before it joined the RPC world ends the run at
+its launch: the world cannot form without it.
 """
 from __future__ import annotations
 
