@@ -84,6 +84,11 @@ def _replace_lost(pipe, futs: list, spares: list[str]) -> str | None:
     free = [s for s in spares if s not in lost]
     gone = sorted({o for o in lost if o in pipe.owners})
     if not gone or len(gone) > len(free):
+        if gone and spares:  # the spares the job asked for cannot take over: say why, then the loss is the error
+            why = (f"the spare {', '.join(s for s in spares if s in lost)} did not answer either (killed, stopped or hung)"
+                   if not free else f"{len(gone)} owners are lost, spares free: {len(free)}")
+            print(f"rpcmp: {', '.join(gone)} was lost while the stages were built and is not replaced: {why}",
+                  file=sys.stderr, flush=True)
         return None
     spares[:] = free
     took = {g: spares.pop(0) for g in gone}
