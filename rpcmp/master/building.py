@@ -30,6 +30,7 @@ from ..owner import stage
 from ..plan.placement import Place, process_name
 from ..plan.topology import stage_world
 from .move import route, warm
+from .recovery import cannot_replace
 
 __all__ = ["build_stages"]
 
@@ -85,8 +86,8 @@ def _replace_lost(pipe, futs: list, spares: list[str]) -> str | None:
     gone = sorted({o for o in lost if o in pipe.owners})
     if not gone or len(gone) > len(free):
         if gone and spares:  # the spares the job asked for cannot take over: say why, then the loss is the error
-            why = (f"the spare {', '.join(s for s in spares if s in lost)} did not answer either (killed, stopped or hung)"
-                   if not free else f"{len(gone)} owners are lost, spares free: {len(free)}")
+            why = (cannot_replace(gone, free, [s for s in spares if s in lost]) if len(gone) == 1
+                   else f"{len(gone)} owners are lost, spares free: {len(free)}")
             print(f"rpcmp: {', '.join(gone)} was lost while the stages were built and is not replaced: {why}",
                   file=sys.stderr, flush=True)
         return None
