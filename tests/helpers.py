@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -217,6 +218,28 @@ def descendant(root: int, comm: str) -> int | None:
                 return pid
     return None
 
+
+
+def half_open(pid: int) -> None:
+    """Connect to each TCP port process ``pid`` listens on and close the connection before saying anything, as a
+    peer killed while it connected does (a worker's one port: its RPC listener's)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = []
+    for line in open(f"/proc/{pid}/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: listening
+            ip, port = fields[1].split(":")
+            ports.append((socket.inet_ntoa(bytes.fromhex(ip)[::-1]), int(port, 16)))
+    assert ports, f"process {pid} listens on no TCP port"
+    for address in ports:
+        socket.create_connection(address, timeout=5).close()
 
 
 def same_built_graphs(job, specs) -> bool:

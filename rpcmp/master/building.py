@@ -24,6 +24,7 @@ import torch.distributed.rpc as rpc
 
 from ..core import health
 from ..core.futures import raise_failures, wait_all
+from ..core.pipes import open_pipes
 from ..core.served import current
 from ..errors import StageError
 from ..owner import stage
@@ -53,8 +54,10 @@ def build_stages(pipe, world_size: int, spares: list[str] | None) -> list:
     """What each stage's build returned, in stage order; an owner lost meanwhile replaced by one of ``spares`` (the
     caller's list: what is taken leaves it; see [Note: an owner lost while the stages build])."""
     futs = [_build(pipe, k) for k in range(len(pipe.specs))]
+    every_spare = [process_name(r) for r in range(stage_world(pipe.job, world_size), world_size)]
     # a spare traces while the owners build: taking over a stage early in the run costs a build, not a trace too
-    warm([process_name(r) for r in range(stage_world(pipe.job, world_size), world_size)], pipe.specs[0])
+    warm(every_spare, pipe.specs[0])
+    open_pipes([current().me, *pipe.owners, *every_spare], pipe.job.call_timeout)  # see rpcmp/core/pipes.py
     said: list[tuple[str, float]] = []  # what each replacement did (and when it began), said once every stage is built
     while True:
         # A worker lost while building is named; a stage that failed to build says so itself.

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import Command, assert_close_f32, descendant, job_path, metric_steps, run_command, run_ranks
+from helpers import Command, assert_close_f32, descendant, half_open, job_path, metric_steps, run_command, run_ranks
 from rpcmp.core.served import current
 from rpcmp.core.checkpoint import complete_stems, load_checkpoint
 
@@ -29,8 +29,8 @@ def _command(folder, *extra, job="three", steps=STEPS, local=5):
 def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, timeout=240, job="three", steps=STEPS,
                  env: dict | None = None, local: int = 5, started=None):
     """Run the job (``env``: added to its environment); when the metrics show step k (or once the file k names
-    exists, or ``k()`` is true), send ``sig`` to process ``name``, for each (k, name, sig). ``started``: given the
-    run's process id."""
+    exists, or ``k()`` is true), send ``sig`` to process ``name`` (or call ``sig(pid)``), for each (k, name, sig).
+    ``started``: given the run's process id."""
     proc = Command(*_command(folder, *extra, job=job, steps=steps, local=local), merged=True,
                    env={**os.environ, **(env or {}), "COLUMNS": "200"})
     if started is not None:
@@ -46,7 +46,7 @@ def _run_and_hit(folder, hits: list[tuple[int, str, signal.Signals]], *extra, ti
             if pid is None and isinstance(at, int) and at >= steps:  # the run's last step: its processes may have left
                 continue
             assert pid is not None, f"{name} not found at step {at}"
-            os.kill(pid, sig)
+            sig(pid) if callable(sig) else os.kill(pid, sig)
         out, _ = proc.communicate(timeout=timeout)
     finally:
         proc.kill()
@@ -260,6 +260,18 @@ def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path
     got = load_checkpoint(str(tmp_path / "run"))
     assert got["step"] == STEPS
     assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_takes_over_next_to_owners_a_peer_left_half_connected_to(tmp_path, uninterrupted):
+    # A connection that an owner accepted and that closed before its first message (a peer killed while it connected,
+    # a port scan) stops the owner's RPC listener for good: the spare, connecting to worker1 and worker3 when it took
+    # over worker2's stage, was refused (ECONNREFUSED) and the run ended
+    code, out = _run_and_hit(tmp_path / "run", [(4, "worker1", half_open), (4, "worker3", half_open),
+                                                (random.randint(6, 12), "worker2", signal.SIGKILL)], "--spares", "1")
+    assert code == 0, out
+    assert out.count("recovered: worker2 was lost") == 1 and "rebuilt on worker4 from the snapshot of step" in out, out
+    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], uninterrupted["model"])
 
 
 @pytest.mark.timeout(300)
