@@ -24,7 +24,7 @@ import torch.distributed.rpc as rpc
 
 from ..core import health
 from ..core.futures import raise_failures, wait_all
-from ..core.pipes import open_pipes
+from ..core.pipes import open_pipes, settle
 from ..core.served import current
 from ..errors import StageError
 from ..owner import stage
@@ -57,7 +57,7 @@ def build_stages(pipe, world_size: int, spares: list[str] | None) -> list:
     every_spare = [process_name(r) for r in range(stage_world(pipe.job, world_size), world_size)]
     # a spare traces while the owners build: taking over a stage early in the run costs a build, not a trace too
     warm(every_spare, pipe.specs[0])
-    open_pipes([current().me, *pipe.owners, *every_spare], pipe.job.call_timeout)  # see rpcmp/core/pipes.py
+    opening = open_pipes([current().me, *pipe.owners, *every_spare])  # see rpcmp/core/pipes.py
     said: list[tuple[str, float]] = []  # what each replacement did (and when it began), said once every stage is built
     while True:
         # A worker lost while building is named; a stage that failed to build says so itself.
@@ -74,6 +74,7 @@ def build_stages(pipe, world_size: int, spares: list[str] | None) -> list:
                     raise
                 said.append((line, start))
                 continue
+        settle(opening, within=20.0)  # the pipes are open by the first step (a stopped spare: 20 s at most)
         if said:
             route(pipe, pipe.owners)  # the owners built before learn where the rebuilt stages are
             for line, start in said:
