@@ -25,6 +25,7 @@ from ..core.health import Watchdog
 from ..core.stall import Stalls
 from ..job import Job, load_job
 from ..core.store import launch_store
+from ..core.pipes import open_pipes
 from .network import preflight
 from ..plan.placement import device_maps_for, process_name
 from ..plan.topology import Topology
@@ -246,6 +247,7 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
         options.set_device_map(peer, mapping)
         served.device_maps.setdefault(peer, {}).update(mapping)
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    open_pipes([process_name(r) for r in range(world_size)])  # see rpcmp/core/pipes.py
     return topology
 
 

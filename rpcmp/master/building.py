@@ -24,7 +24,6 @@ import torch.distributed.rpc as rpc
 
 from ..core import health
 from ..core.futures import raise_failures, wait_all
-from ..core.pipes import open_pipes, settle
 from ..core.served import current
 from ..errors import StageError
 from ..owner import stage
@@ -54,10 +53,8 @@ def build_stages(pipe, world_size: int, spares: list[str] | None) -> list:
     """What each stage's build returned, in stage order; an owner lost meanwhile replaced by one of ``spares`` (the
     caller's list: what is taken leaves it; see [Note: an owner lost while the stages build])."""
     futs = [_build(pipe, k) for k in range(len(pipe.specs))]
-    every_spare = [process_name(r) for r in range(stage_world(pipe.job, world_size), world_size)]
     # a spare traces while the owners build: taking over a stage early in the run costs a build, not a trace too
-    warm(every_spare, pipe.specs[0])
-    opening = open_pipes([current().me, *pipe.owners, *every_spare])  # see rpcmp/core/pipes.py
+    warm([process_name(r) for r in range(stage_world(pipe.job, world_size), world_size)], pipe.specs[0])
     said: list[tuple[str, float]] = []  # what each replacement did (and when it began), said once every stage is built
     while True:
         # A worker lost while building is named; a stage that failed to build says so itself.
@@ -74,7 +71,6 @@ def build_stages(pipe, world_size: int, spares: list[str] | None) -> list:
                     raise
                 said.append((line, start))
                 continue
-        settle(opening, within=20.0)  # the pipes are open by the first step (a stopped spare: 20 s at most)
         if said:
             route(pipe, pipe.owners)  # the owners built before learn where the rebuilt stages are
             for line, start in said:

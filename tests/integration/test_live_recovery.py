@@ -263,14 +263,22 @@ def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path
 
 
 @pytest.mark.timeout(300)
-def test_a_spare_takes_over_next_to_owners_a_peer_left_half_connected_to(tmp_path, uninterrupted):
-    # A connection that an owner accepted and that closed before its first message (a peer killed while it connected,
-    # a port scan) stops the owner's RPC listener for good: the spare, connecting to worker1 and worker3 when it took
-    # over worker2's stage, was refused (ECONNREFUSED) and the run ended
-    code, out = _run_and_hit(tmp_path / "run", [(4, "worker1", half_open), (4, "worker3", half_open),
-                                                (random.randint(6, 12), "worker2", signal.SIGKILL)], "--spares", "1")
+def test_spares_take_over_next_to_processes_a_peer_left_half_connected_to(tmp_path, uninterrupted):
+    # A connection that a process accepted and that closed before its first message (a peer killed while it
+    # connected, a port scan) stops its RPC listener for good: a spare connecting to worker1 or worker3 for the first
+    # time when it took over worker2's stage was refused (ECONNREFUSED) and the run ended. Here every other worker is
+    # left half-connected to while worker2 waits in its build; worker2 is killed there (worker4 builds its stage),
+    # then worker4 in training (worker5 takes the stage from the snapshot worker3 keeps)
+    building = str(tmp_path / "building")
+    code, out = _run_and_hit(tmp_path / "run", [*((building, w, half_open) for w in ("worker1", "worker3", "worker4",
+                                                                                      "worker5")),
+                                                (building, "worker2", signal.SIGKILL),
+                                                (random.randint(6, 12), "worker4", signal.SIGKILL)],
+                             "--local", "6", "--spares", "2", job="three_slow_build",
+                             env={"RPCMP_TEST_BUILDING": building})
     assert code == 0, out
-    assert out.count("recovered: worker2 was lost") == 1 and "rebuilt on worker4 from the snapshot of step" in out, out
+    assert "worker2 was lost while the stages were built; stage 1 (" in out and "built on worker4 (a spare)" in out, out
+    assert re.search(r"stage 1 \(layers\[2:4\]\) rebuilt on worker5 from the snapshot of step \d+ kept by worker3", out), out
     assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], uninterrupted["model"])
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rpcmp
-from helpers import assert_close_f32, job_path, run_command, run_ranks
+from helpers import assert_close_f32, half_open, job_path, run_command, run_ranks
 from rpcmp.core.checkpoint import load_checkpoint
 from test_live_recovery import _command, _run_and_hit
 
@@ -69,11 +69,14 @@ def test_an_owner_lost_as_the_run_measures_or_re_cuts_itself_is_replaced_and_the
     """worker2 is SIGKILLed once step 10 is recorded: as the re-balancer measures the stages, re-cuts them (its
     new part half built: the re-cut is undone on the others, and on the copies re-cut before; the snapshots kept
     with the stages it left as they were) or in the next step. The spare takes over (from the last snapshot, or
-    from the live copy) and the run ends with the model of the same run left alone."""
+    from the live copy) and the run ends with the model of the same run left alone. Every other worker is left
+    half-connected to at step 3 first (see test_live_recovery.py's half-connected test): a re-cut's calls of a
+    process to itself (gathering a stage it keeps) went through its listener, stopped by then."""
     plain = run_command(*_command(tmp_path / "plain", "--spares", "1", *copies, job="uneven"), timeout=240)
     assert plain.returncode == 0, plain.stdout + plain.stderr
-    code, out = _run_and_hit(tmp_path / "hit", [(10, "worker2", signal.SIGKILL)], "--spares", "1", "--rebalance",
-                             *copies, job="uneven")
+    others = [f"worker{r}" for r in range(1, 8 if copies else 5) if r != 2]
+    code, out = _run_and_hit(tmp_path / "hit", [*((3, w, half_open) for w in others), (10, "worker2", signal.SIGKILL)],
+                             "--spares", "1", "--rebalance", *copies, job="uneven")
     assert code == 0, out
     assert out.count("recovered: worker2 was lost") == 1 and "re-cut after step" in out, out
     assert_close_f32(load_checkpoint(str(tmp_path / "hit"))["model"], load_checkpoint(str(tmp_path / "plain"))["model"])
