@@ -18,6 +18,12 @@ one lost owner, a spare and a snapshot, it
 3. hands the trainer the data position of that step, so the steps since are trained again
    on the same batches: the run ends with the model an uninterrupted run ends with.
 
+The first snapshot is taken at the start, before the first step. An owner lost before its copy of it
+reached the buddy (in the first step, or stopped while it copied) leaves no copy of its stages; but at
+the start of a run not resumed they hold what a build from the job's seed makes, so the spare builds
+them from the seed (as when an owner is lost while the stages build: rpcmp/master/building.py), the
+others roll back to their own copies of the start, and the spare then snapshots its stages for its buddy.
+
 The copies the lost process kept for its neighbours are sent again, to their new buddy, once the
 first step after the recovery has ended, not beside it: for the demo Unet that is the encoder
 with its Adam state, 250 MB, which made the replayed step a sixth slower on two cores. A second
@@ -51,6 +57,8 @@ from ..plan.placement import MASTER, Place
 from .move import build_on, install, new_optimizer, route
 
 __all__ = ["Snapshots", "RolledBack", "cannot_replace", "rebuild_on_spare", "install_rebuilt"]
+
+SEED = "seed"  # the lost stages are rebuilt from the job's seed (see Snapshots._whole_snapshot)
 
 
 class RolledBack(Exception):
@@ -193,7 +201,7 @@ class Snapshots:
         self.taking, self.floor = [], None  # copies on the lost process never finish; the others' are done by now
         try:
             if ckpt is None:
-                position, source = self._from_snapshot(gone, spare, stages, step, buddies)
+                position, source = self._from_snapshot(gone, spare, stages, step, buddies, seeded=held == SEED)
             else:
                 position, source = self._from_checkpoint(gone, spare, stages, ckpt)
         except Exception as exc:  # noqa: BLE001 - the spare's own loss is recovered from as the owner's was
@@ -210,7 +218,9 @@ class Snapshots:
     def _whole_snapshot(self, buddies: dict[int, str], gone: str, stages: list[int]) -> tuple[int | None, str]:
         """The step of the snapshot the buddies of the lost ``stages`` hold, if every surviving owner holds its
         own copy of that step too (each keeps what a buddy may still hold) and the master its part; else None, and
-        what each held (for the line that says the run cannot go on)."""
+        what each held (for the line that says the run cannot go on). Of the start's snapshot (step 0 of a run
+        not resumed), a lost stage whose copy never reached its buddy is what a build from the job's seed makes:
+        its held text is then ``SEED``."""
         pid = self.pipe.pid
         survivors = sorted(set(self.pipe.owners) - {gone})
         try:
@@ -222,6 +232,8 @@ class Snapshots:
         step = steps.pop() if len(steps) == 1 else None
         if step is not None and step in self.kept and all(step in s for s in owned):
             return step, ""
+        if all(s is None for s in held.values()) and 0 in self.kept and all(0 in s for s in owned):  # resumed: not 0
+            return 0, SEED
         copies = [f"{buddies[k]} holds " + (f"stage {k}'s copy of step {s}" if s is not None else f"no copy of stage {k}")
                   for k, s in held.items()]
         return None, "; ".join(copies + [f"{o} its own of steps {s}" for o, s in zip(survivors, owned)]
@@ -235,21 +247,24 @@ class Snapshots:
         except CheckpointError:  # a part only its node has: a folder that is not shared
             return None
 
-    def _from_snapshot(self, gone: str, spare: str, stages: list[int], step: int, buddies: dict) -> tuple[tuple, str]:
-        """Source b: the lost stages from their buddies' copies, the others from their own; the same step."""
+    def _from_snapshot(self, gone: str, spare: str, stages: list[int], step: int, buddies: dict,
+                       seeded: bool = False) -> tuple[tuple, str]:
+        """Source b: the lost stages from their buddies' copies (``seeded``: built from the job's seed, as at the
+        start), the others from their own; the same step."""
         pipe = self.pipe
         old_optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers if r.owner().name != gone}
         rolling = [rpc.rpc_async(o, snapshot.restore, args=(pipe.pid, k, step, False, old_optims.get(o)))
                    for k, o in enumerate(pipe.owners) if k not in stages]  # while the spare builds
         rolling += [rpc.rpc_async(spare, snapshot.fetch, args=(pipe.pid, k, step, buddies[k], pipe.job.call_timeout))
-                    for k in stages]  # the buddies' copies travel to the spare while it builds
+                    for k in stages if not seeded]  # the buddies' copies travel to the spare while it builds
         try:
-            built = rebuild_on_spare(pipe, gone, spare, stages, empty=True)
+            built = rebuild_on_spare(pipe, gone, spare, stages, empty=not seeded)
         except Exception:
             wait_all(rolling)  # the survivors' rollbacks end before another spare is tried
             raise
         wait_all(rolling)
-        wait_all([rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, True)) for k in stages])
+        if not seeded:
+            wait_all([rpc.rpc_async(spare, snapshot.restore, args=(pipe.pid, k, step, True)) for k in stages])
         install_rebuilt(pipe, built, old_optims, spare)
         self.last = (pipe.pid, step, tuple(pipe.owners))  # the snapshot the next one follows
         kept = self.kept[step]
@@ -263,6 +278,11 @@ class Snapshots:
         after = self.buddies(pipe.owners)
         pending = {k for _, k, _, _ in self.reships} | {k for k in range(len(pipe.owners)) if buddies[k] == gone}
         self.reships = [(pipe.owners[k], k, step, after[k]) for k in sorted(pending) if k not in built]
+        if seeded:  # the spare's own copy of the start, which its buddy keeps too, as the lost owner's would be
+            optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
+            rpc.rpc_sync(spare, snapshot.take, args=(pipe.pid, step, {spare: optims[spare]} if spare in optims else {},
+                                                     after, True))
+            return kept["position"], f"the job's seed (its copy of the start had not reached {buddies[stages[0]]})"
         return kept["position"], f"the snapshot of step {step} kept by {', '.join(sorted({buddies[k] for k in stages}))}"
 
     def _from_checkpoint(self, gone: str, spare: str, stages: list[int], ckpt: dict) -> tuple[tuple, str]:

@@ -192,6 +192,22 @@ def test_an_owner_lost_while_the_stages_build_is_replaced_by_the_spare_and_the_m
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_owner_lost_before_its_copy_of_the_start_reached_its_buddy_is_rebuilt_from_the_seed(tmp_path, uninterrupted,
+                                                                                               sig):
+    """worker2 waits as it snapshots its stage at the start (tests/jobs/slow_spare.py) and is killed there, or
+    stopped past --hang-timeout: its buddy holds no copy of stage 1, which the run needed to go on (it ended: "no
+    snapshot holds the lost stages"); at the start it is what a build from the job's seed makes."""
+    taking = str(tmp_path / "taking")
+    code, out = _run_and_hit(tmp_path / "run", [(taking, "worker2", sig)], "--spares", "1", "--hang-timeout", "5",
+                             job="slow_spare", env={"SLOW_BUILD_ON": "worker2", "BUILDING": taking, "SLOW_AT": "take"})
+    assert code == 0, out
+    assert "stage 1 (layers[2:4]) rebuilt on worker4 from the job's seed (its copy of the start had not reached " \
+           "worker3); every stage rolled back to step 0" in out, out
+    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
 def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL)], "--local", "4")
     assert code == 1, out
