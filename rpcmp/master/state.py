@@ -13,6 +13,7 @@ import torch.distributed.rpc as rpc
 
 from ..owner import state as stage_state
 from ..core.futures import wait_all
+from ..core.health import unresponsive
 from ..plan.placement import MASTER
 
 __all__ = ["PipelineState"]
@@ -88,13 +89,22 @@ class PipelineState:
 
     def remove_incomplete(self, directory: str) -> list[tuple[str, int]]:
         """Remove what an interrupted save left in ``directory`` here and on every owner's node (see
-        [Note: what a killed save leaves] in rpcmp/core/checkpoint.py); (name, bytes) of each file."""
+        [Note: what a killed save leaves] in rpcmp/core/checkpoint.py); (name, bytes) of each file. An owner lost
+        meanwhile keeps its node's (the next start removes them): the first step meets the loss, and with a spare
+        recovers from it; this call used to end the run "before the first step"."""
         from ..core.checkpoint import complete_stems, remove_incomplete
         complete = complete_stems(directory)
         removed = remove_incomplete(directory, complete)
-        for part in wait_all([rpc.rpc_async(o, stage_state.remove_incomplete, args=(directory, complete))
-                              for o in sorted(set(self.owners) - {MASTER})]):
-            removed += part
+        futs = {o: rpc.rpc_async(o, stage_state.remove_incomplete, args=(directory, complete))
+                for o in sorted(set(self.owners) - {MASTER})}
+        failed = None
+        for fut in futs.values():
+            try:
+                removed += fut.wait()
+            except Exception as exc:  # noqa: BLE001 - re-raised below unless its owner is lost
+                failed = failed or exc
+        if failed is not None and not unresponsive(list(futs), timeout=3.0):
+            raise failed
         return sorted(set(removed))
 
     def rng_state(self) -> dict[str, Any]:

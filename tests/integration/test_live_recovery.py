@@ -192,15 +192,17 @@ def test_an_owner_lost_while_the_stages_build_is_replaced_by_the_spare_and_the_m
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+@pytest.mark.parametrize("sig,at", [(signal.SIGKILL, "take"), (signal.SIGSTOP, "take"), (signal.SIGKILL, "remove_incomplete")],
+                         ids=["killed-copying", "stopped-copying", "killed-clearing-old-saves"])
 def test_an_owner_lost_before_its_copy_of_the_start_reached_its_buddy_is_rebuilt_from_the_seed(tmp_path, uninterrupted,
-                                                                                               sig):
-    """worker2 waits as it snapshots its stage at the start (tests/jobs/slow_spare.py) and is killed there, or
-    stopped past --hang-timeout: its buddy holds no copy of stage 1, which the run needed to go on (it ended: "no
-    snapshot holds the lost stages"); at the start it is what a build from the job's seed makes."""
-    taking = str(tmp_path / "taking")
-    code, out = _run_and_hit(tmp_path / "run", [(taking, "worker2", sig)], "--spares", "1", "--hang-timeout", "5",
-                             job="slow_spare", env={"SLOW_BUILD_ON": "worker2", "BUILDING": taking, "SLOW_AT": "take"})
+                                                                                               sig, at):
+    """worker2 waits as it snapshots its stage at the start (tests/jobs/slow_spare.py), or before that as it clears
+    what an interrupted save left in the checkpoint folder, and is killed there, or stopped past --hang-timeout: its
+    buddy holds no copy of stage 1, which the run needed to go on (it ended: "no snapshot holds the lost stages", or
+    "before the first step: worker2 ... stopped answering"); at the start it is what a build from the seed makes."""
+    waiting = str(tmp_path / "waiting")
+    code, out = _run_and_hit(tmp_path / "run", [(waiting, "worker2", sig)], "--spares", "1", "--hang-timeout", "5",
+                             job="slow_spare", env={"SLOW_BUILD_ON": "worker2", "BUILDING": waiting, "SLOW_AT": at})
     assert code == 0, out
     assert "stage 1 (layers[2:4]) rebuilt on worker4 from the job's seed (its copy of the start had not reached " \
            "worker3); every stage rolled back to step 0" in out, out
