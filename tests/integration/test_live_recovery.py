@@ -192,16 +192,16 @@ def test_an_owner_lost_while_the_stages_build_is_replaced_by_the_spare_and_the_m
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig,at", [(signal.SIGKILL, "take"), (signal.SIGSTOP, "take"), (signal.SIGKILL, "remove_incomplete")],
-                         ids=["killed-copying", "stopped-copying", "killed-clearing-old-saves"])
+@pytest.mark.parametrize("at", ["take", "remove_incomplete"], ids=["copying", "clearing-old-saves"])
 def test_an_owner_lost_before_its_copy_of_the_start_reached_its_buddy_is_rebuilt_from_the_seed(tmp_path, uninterrupted,
-                                                                                               sig, at):
+                                                                                               at):
     """worker2 waits as it snapshots its stage at the start (tests/jobs/slow_spare.py), or before that as it clears
-    what an interrupted save left in the checkpoint folder, and is killed there, or stopped past --hang-timeout: its
-    buddy holds no copy of stage 1, which the run needed to go on (it ended: "no snapshot holds the lost stages", or
-    "before the first step: worker2 ... stopped answering"); at the start it is what a build from the seed makes."""
+    what an interrupted save left in the checkpoint folder, and is killed there: its buddy holds no copy of stage 1,
+    which the run needed to go on (it ended: "no snapshot holds the lost stages", or "before the first step: worker2
+    ... stopped answering"); at the start it is what a build from the seed makes. (Stopped there instead, the
+    watchdog kills it after --hang-timeout, and the same follows.)"""
     waiting = str(tmp_path / "waiting")
-    code, out = _run_and_hit(tmp_path / "run", [(waiting, "worker2", sig)], "--spares", "1", "--hang-timeout", "5",
+    code, out = _run_and_hit(tmp_path / "run", [(waiting, "worker2", signal.SIGKILL)], "--spares", "1",
                              job="slow_spare", env={"SLOW_BUILD_ON": "worker2", "BUILDING": waiting, "SLOW_AT": at})
     assert code == 0, out
     assert "stage 1 (layers[2:4]) rebuilt on worker4 from the job's seed (its copy of the start had not reached " \
@@ -281,32 +281,16 @@ def test_two_owners_lost_one_after_the_other_are_replaced_by_two_spares(tmp_path
 
 
 @pytest.mark.timeout(300)
-def test_spares_take_over_next_to_processes_a_peer_left_half_connected_to(tmp_path, uninterrupted):
-    # A connection that a process accepted and that closed before its first message (a peer killed while it
-    # connected, a port scan) stops its RPC listener for good: a spare connecting to worker1 or worker3 for the first
-    # time when it took over worker2's stage was refused (ECONNREFUSED) and the run ended. Here every other worker is
-    # left half-connected to while worker2 waits in its build; worker2 is killed there (worker4 builds its stage),
-    # then worker4 in training (worker5 takes the stage from the snapshot worker3 keeps)
-    building = str(tmp_path / "building")
-    code, out = _run_and_hit(tmp_path / "run", [*((building, w, half_open) for w in ("worker1", "worker3", "worker4",
-                                                                                      "worker5")),
-                                                (building, "worker2", signal.SIGKILL),
-                                                (random.randint(6, 12), "worker4", signal.SIGKILL)],
-                             "--local", "6", "--spares", "2", job="three_slow_build",
-                             env={"RPCMP_TEST_BUILDING": building})
-    assert code == 0, out
-    assert "worker2 was lost while the stages were built; stage 1 (" in out and "built on worker4 (a spare)" in out, out
-    assert re.search(r"stage 1 \(layers\[2:4\]\) rebuilt on worker5 from the snapshot of step \d+ kept by worker3", out), out
-    assert_close_f32(load_checkpoint(str(tmp_path / "run"))["model"], uninterrupted["model"])
-
-
-@pytest.mark.timeout(300)
 @pytest.mark.parametrize("at", ["build", "restore"], ids=["building-the-stage", "routed-to-taking-the-snapshot"])
 def test_a_spare_lost_while_it_takes_over_is_replaced_by_the_next_and_the_run_ends_equal(tmp_path, uninterrupted, at):
     # worker4, the first spare, is killed while it builds worker2's stage, or once every owner is routed to it and
-    # it takes the snapshot's values (it says so in a file, then waits)
+    # it takes the snapshot's values (it says so in a file, then waits). Every other worker is left half-connected to
+    # at step 5 (helpers.half_open, as by a peer killed while it connected, or a port scan), which stops a process's
+    # RPC listener for good: worker5 fetching worker3's snapshot was refused (ECONNREFUSED), unless its pipe to
+    # worker3 was open before (rpcmp/core/pipes.py; a CI run met it by chance, worker4 killed while it connected)
     building = str(tmp_path / "building")
-    code, out = _run_and_hit(tmp_path / "run", [(random.randint(11, 15), "worker2", signal.SIGKILL),
+    code, out = _run_and_hit(tmp_path / "run", [*((5, w, half_open) for w in ("worker1", "worker3", "worker4", "worker5")),
+                                                (random.randint(11, 15), "worker2", signal.SIGKILL),
                                                 (building, "worker4", signal.SIGKILL)],
                              "--local", "6", "--spares", "2", "--snapshot-every", "10", job="slow_spare",
                              env={"SLOW_BUILD_ON": "worker4", "BUILDING": building, "SLOW_AT": at})
