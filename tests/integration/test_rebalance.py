@@ -70,8 +70,8 @@ def test_an_owner_lost_as_the_run_measures_or_re_cuts_itself_is_replaced_and_the
     new part half built: the re-cut is undone on the others, and on the copies re-cut before; the snapshots kept
     with the stages it left as they were) or in the next step. The spare takes over (from the last snapshot, or
     from the live copy) and the run ends with the model of the same run left alone. Every other worker is left
-    half-connected to at step 3 first (see test_live_recovery.py's half-connected test): a re-cut's calls of a
-    process to itself (gathering a stage it keeps) went through its listener, stopped by then."""
+    half-connected to at step 3 first (helpers.half_open; rpcmp/core/pipes.py): a re-cut's calls of a process to
+    itself (gathering a stage it keeps) went through its own listener, stopped by then."""
     plain = run_command(*_command(tmp_path / "plain", "--spares", "1", *copies, job="uneven"), timeout=240)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     others = [f"worker{r}" for r in range(1, 8 if copies else 5) if r != 2]
