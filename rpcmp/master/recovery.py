@@ -280,8 +280,11 @@ class Snapshots:
         self.reships = [(pipe.owners[k], k, step, after[k]) for k in sorted(pending) if k not in built]
         if seeded:  # the spare's own copy of the start, which its buddy keeps too, as the lost owner's would be
             optims = {r.owner().name: r for r in pipe.optimizer.remote_optimizers}
-            rpc.rpc_sync(spare, snapshot.take, args=(pipe.pid, step, {spare: optims[spare]} if spare in optims else {},
-                                                     after, True))
+            why = rpc.rpc_sync(spare, snapshot.take, args=(pipe.pid, step, {spare: optims[spare]} if spare in optims
+                                                           else {}, after, True))
+            if why:  # said with the next step's log, as a snapshot an owner could not take (settle)
+                self.notes.append(f"warning: {spare} could not snapshot the stages it rebuilt ({why}); a next loss of "
+                                  f"it before the next snapshot ends the run")
             return kept["position"], f"the job's seed (its copy of the start had not reached {buddies[stages[0]]})"
         return kept["position"], f"the snapshot of step {step} kept by {', '.join(sorted({buddies[k] for k in stages}))}"
 
