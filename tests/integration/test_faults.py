@@ -219,37 +219,49 @@ def test_with_a_spare_a_worker_lost_during_held_out_evaluation_is_replaced_and_t
     torch.testing.assert_close(a["model"], b["model"], rtol=0, atol=0)
 
 
-def _stopped_at(proc, metrics: str, steps: int) -> None:
-    """Stop every process of the run (as Ctrl-Z does a terminal's job) once ``steps`` steps are in its metrics."""
-    deadline = time.monotonic() + 90
-    while metric_steps(metrics) < steps:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+def _stop_each_at(runs: dict, steps: int) -> float:
+    """Stop every process of each run (as Ctrl-Z does a terminal's job) once ``steps`` steps are in its metrics;
+    ``runs``: {name: (proc, metrics)}. Returns when the last was stopped."""
+    deadline, waiting = time.monotonic() + 120, dict(runs)
+    while waiting:
+        for name, (proc, metrics) in list(waiting.items()):
+            assert proc.poll() is None and time.monotonic() < deadline, (name, proc.communicate())
+            if metric_steps(metrics) >= steps:
+                os.killpg(proc.pid, signal.SIGSTOP)
+                del waiting[name]
         time.sleep(0.02)
-    os.killpg(proc.pid, signal.SIGSTOP)
+    return time.monotonic()
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode", ["pipeline", "ddp"])
-def test_a_job_stopped_for_longer_than_a_minute_and_continued_goes_on_as_if_never_stopped(tmp_path, mode):
+@pytest.mark.timeout(300)
+def test_a_job_stopped_for_longer_than_a_minute_and_continued_goes_on_as_if_never_stopped(tmp_path):
     """Every process of a run stopped mid-training for 65 s (Ctrl-Z, a frozen container), then continued: the run
     ends 0 with the model of a run never stopped. Every call in flight had run past its deadline when the processes
     ran again; with 60 s for every call the step failed ("RPC ran for more than set timeout"), exit 1; in DDP mode a
-    collective's 60 s ran out the same way. A run left alone trains meanwhile, on the cores the stopped one leaves free."""
-    common = [job_path("three"), "--local", "4" if mode == "pipeline" else "2", "--mode", mode, "--max-steps", "120",
-              "--hang-timeout", "10"]
-    metrics = str(tmp_path / "m.jsonl")
-    with _rpcmp_run(*common, "--checkpoint-dir", str(tmp_path / "stopped"), "--metrics", metrics) as proc:
-        _stopped_at(proc, metrics, 40)
-        stopped = time.monotonic()
-        alone = run_command("run", *common, "--checkpoint-dir", str(tmp_path / "alone"), timeout=120)
+    collective's 60 s ran out the same way. Both modes' runs are stopped over the same minute; a run of each left
+    alone trains meanwhile, on the cores the stopped ones leave free."""
+    modes = {"pipeline": "4", "ddp": "2"}
+
+    def common(mode):
+        return [job_path("three"), "--local", modes[mode], "--mode", mode, "--max-steps", "120", "--hang-timeout", "10"]
+
+    with contextlib.ExitStack() as stack:
+        runs = {mode: (stack.enter_context(_rpcmp_run(*common(mode), "--checkpoint-dir", str(tmp_path / f"stopped-{mode}"),
+                                                      "--metrics", str(tmp_path / f"{mode}.jsonl"))),
+                       str(tmp_path / f"{mode}.jsonl")) for mode in modes}
+        stopped = _stop_each_at(runs, 40)
+        alone = {mode: run_command("run", *common(mode), "--checkpoint-dir", str(tmp_path / f"alone-{mode}"), timeout=120)
+                 for mode in modes}
         time.sleep(max(0.0, 65 - (time.monotonic() - stopped)))
-        os.killpg(proc.pid, signal.SIGCONT)
-        out, err = proc.communicate(timeout=90)
-    assert alone.returncode == 0, alone.stderr
-    assert proc.returncode == 0, err
-    a, b = load_checkpoint(str(tmp_path / "alone")), load_checkpoint(str(tmp_path / "stopped"))
-    assert a["step"] == b["step"] == 120
-    assert_close_f32(b["model"], a["model"])
+        for proc, _ in runs.values():
+            os.killpg(proc.pid, signal.SIGCONT)
+        ended = {mode: proc.communicate(timeout=120) for mode, (proc, _) in runs.items()}
+    for mode, (proc, _) in runs.items():
+        assert alone[mode].returncode == 0, (mode, alone[mode].stderr)
+        assert proc.returncode == 0, (mode, ended[mode][1])
+        a, b = load_checkpoint(str(tmp_path / f"alone-{mode}")), load_checkpoint(str(tmp_path / f"stopped-{mode}"))
+        assert a["step"] == b["step"] == 120, mode
+        assert_close_f32(b["model"], a["model"])
 
 
 @pytest.mark.timeout(150)
