@@ -88,11 +88,37 @@ def _rpcmp_unet(job, world):
     return median_time(lambda: pipe.train_step(x, y))
 
 
-def _rpcmp_hops(job, world):
+def _rpcmp_hops(job, world, blocks=20, block=10):
+    """Per hop, forward + backward: rpcmp's step, the bare chain (nested async RPCs and distributed autograd, nothing
+    else) and its floor (the bare chain forward, no autograd: one message per hop), in this launch's processes,
+    taking turns ``blocks`` times ``block`` steps each; medians. One launch to the next moves each of them by a tenth
+    to a half (the floor too), so they are measured side by side in one launch, not in launches of their own."""
     pipe = rpcmp.Pipeline(job, world)
     x = torch.ones(1, 4, requires_grad=True)
-    t = median_time(lambda: pipe.train_step(x, None), warmup=20, steps=200)
-    return t / (len(pipe.specs) + 1)  # master -> s0 -> s1 -> s2 -> master: 4 hops each way
+    last = len(pipe.specs)  # master -> worker1 -> ... -> worker{last} -> master: last + 1 hops each way
+
+    def bare():
+        with dist_autograd.context() as ctx:
+            bm.CHAIN["out"] = torch.futures.Future()
+            rpc.rpc_async("worker1", bm.chain_forward, args=(1, last, x))
+            dist_autograd.backward(ctx, [bm.CHAIN["out"].wait().sum()])
+
+    def one_message_per_hop():  # forward only, no autograd: the least any pipeline sends
+        bm.CHAIN["out"] = torch.futures.Future()
+        rpc.rpc_async("worker1", bm.chain_forward, args=(1, last, x.detach()))
+        bm.CHAIN["out"].wait()
+    steps = {"rpcmp": lambda: pipe.train_step(x, None), "bare": bare, "one_message": one_message_per_hop}
+    times = {k: [] for k in steps}
+    for step in steps.values():
+        for _ in range(20):
+            step()
+    for _ in range(blocks):
+        for name, step in steps.items():
+            for _ in range(block):
+                start = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) / (last + 1) for k, v in times.items()}
 
 
 def _rpcmp_unet_memory(job, world):
@@ -242,29 +268,6 @@ def _hand_rpc(rank, port, queue, addr="127.0.0.1", iface="lo", timer=None):
     rpc.shutdown()
 
 
-# -- the same hops without rpcmp: nested async RPCs and distributed autograd, nothing else --
-def _bare_hops(rank, port, queue, transport, grad=True):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
-    opts = rpc.TensorPipeRpcBackendOptions(_transports=[transport], _channels=["basic"])
-    rpc.init_rpc("master" if rank == 0 else f"worker{rank}", rank=rank, world_size=4, rpc_backend_options=opts)
-    if rank == 0:
-        x = torch.ones(1, 4, requires_grad=True)
-
-        def step():
-            with dist_autograd.context() as ctx:
-                bm.CHAIN["out"] = torch.futures.Future()
-                rpc.rpc_async("worker1", bm.chain_forward, args=(1, 3, x))
-                dist_autograd.backward(ctx, [bm.CHAIN["out"].wait().sum()])
-
-        def one_message_per_hop():  # forward only, no autograd: the least any pipeline sends
-            bm.CHAIN["out"] = torch.futures.Future()
-            rpc.rpc_async("worker1", bm.chain_forward, args=(1, 3, x.detach()))
-            bm.CHAIN["out"].wait()
-        queue.put(median_time(step if grad else one_message_per_hop, warmup=20, steps=200) / 4)
-    rpc.shutdown()
-
-
 def spawn(target, nprocs, *args):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -317,18 +320,17 @@ def mlp_rounds(console, res, rounds):
 
 
 def hops(console, res, rounds):
-    """rpcmp's hops, the bare chain and its floor, on uv and shm, taking turns ``rounds`` times; medians. One launch
-    to the next moves each of them by a tenth or more (the floor too), so a ratio of single launches says little."""
+    """rpcmp's hops, the bare chain and its floor, on uv and shm, ``rounds`` launches each (all three measured side by
+    side in each: :func:`_rpcmp_hops`); medians over the launches."""
     console.print(f"[bold]overhead per hop: 1x4 tensor through 3 identity stages on 3 workers; rpcmp, the bare chain "
-                  f"and its floor alternate, {rounds} launches each")
+                  f"and its floor take turns in the same processes, {rounds} launches per transport")
     hops_job = os.path.join(JOBS, "hops.py")
     runs = []
     for _ in range(rounds):
         one = {}
         for t in ("uv", "shm"):
-            one[f"rpcmp_{t}"] = launch_local(hops_job, 4, _rpcmp_hops, master_in_process=False,
-                                             overrides={"transport": t})
-            one[f"bare_{t}"], one[f"one_message_{t}"] = spawn(_bare_hops, 4, t), spawn(_bare_hops, 4, t, False)
+            measured = launch_local(hops_job, 4, _rpcmp_hops, master_in_process=False, overrides={"transport": t})
+            one.update({f"{k}_{t}": v for k, v in measured.items()})
         runs.append(one)
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     res["hop_s"], res["hop_s_shm"] = med["rpcmp_uv"], med["rpcmp_shm"]
@@ -482,7 +484,7 @@ def report_hops(console, res):
 
 def report_hop_rounds(console, res):
     for t, per in res["hop_floor_ratio_per_round"].items():
-        console.print(f"per hop ({t}) against its floor, medians over {len(per)} alternating launches; ratio per "
+        console.print(f"per hop ({t}) against its floor, medians over {len(per)} launches; ratio per "
                       f"launch: " + ", ".join(f"{r:.2f}" for r in per))
 
 
