@@ -237,7 +237,9 @@ class _MicroBatches:
             if self.roots[i] is not None:  # None: the loss does not depend on this micro-batch's output
                 pipe.backward(ctx, self.roots[i])
             return
-        loss = loss_of(pipe.job, out, self.ys[i]) * (batch_size(self.xs[i]) / self.n)
+        loss, share = loss_of(pipe.job, out, self.ys[i]), batch_size(self.xs[i]) / self.n
+        if share != 1.0:  # a step of one micro-batch: the loss as it is (x 1.0 is exact, but a node more each way)
+            loss = loss * share
         if self.outs is not None:
             self.outs[i] = map_tensors(out, torch.Tensor.detach)
         pipe.backward(ctx, loss)
