@@ -41,7 +41,9 @@ __all__ = ["run_rank", "free_port", "reserve_ports", "default_threads", "usable_
 
 def _one_malloc_arena() -> None:
     """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise (this
-    limits the arenas of the threads started from here on, in every kind of launch).
+    limits the arenas of the threads started from here on, in every kind of launch); and freed
+    memory of up to 32 MiB kept for the next step, unless ``MALLOC_MMAP_THRESHOLD_`` or
+    ``MALLOC_TRIM_THRESHOLD_`` say otherwise.
 
     [Note: one malloc arena]
     A stage process allocates from many threads: RPC threads receive activations and
@@ -51,14 +53,33 @@ def _one_malloc_arena() -> None:
     arena lets them reuse each other's freed memory, at the same step time. ``mallopt`` from
     here does as well as ``MALLOC_ARENA_MAX=1`` exported before the process started: the threads that allocate the activations all start after
     this call (figures: benchmarks/PERFORMANCE.md, design measurements).
+
+    Every step allocates the same buffers again (activations, weight gradients: 4 MiB for a
+    Linear(1024, 1024)) and frees them; glibc's default hands the top of the heap back to the
+    kernel once more than twice its mmap threshold is free there, and the next step faults every
+    page of it in again, zeroed (a MLP step of 8 micro-batches: 2,000-10,000 page faults per
+    process, against a few hundred with what is kept). So blocks up to 32 MiB (glibc's largest
+    threshold, which its default reaches on its own after the first such block is freed) come
+    from the heap, and the heap is not trimmed: the process keeps its peak, which is what it
+    needs again each step; larger blocks are mapped and unmapped as before.
     """
-    if "MALLOC_ARENA_MAX" in os.environ or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
-        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX
-    except (OSError, AttributeError):  # not glibc
-        pass
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return
+    settings = {"MALLOC_ARENA_MAX": (-8, 1)}  # M_ARENA_MAX
+    if not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+        # both or neither: either one set fixes the other where it is (glibc stops moving them)
+        settings.update(MALLOC_MMAP_THRESHOLD_=(-3, 32 << 20), MALLOC_TRIM_THRESHOLD_=(-1, 2**31 - 1))
+    for name, (param, value) in settings.items():
+        if name not in os.environ:
+            try:
+                libc.mallopt(param, value)
+            except AttributeError:  # not glibc
+                return
 
 
 def default_threads(local_procs: int) -> int:
