@@ -39,7 +39,7 @@ __all__ = ["run_rank", "free_port", "reserve_ports", "default_threads", "usable_
 
 
 
-def _one_malloc_arena() -> None:
+def _malloc_settings() -> None:
     """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise (this
     limits the arenas of the threads started from here on, in every kind of launch); and freed
     memory of up to 32 MiB kept for the next step, unless ``MALLOC_MMAP_THRESHOLD_`` or
@@ -213,7 +213,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     ``MASTER_ADDR`` / ``MASTER_PORT`` must be set (torchrun and :func:`launch_local` do).
     """
     _quiet()
-    _one_malloc_arena()
+    _malloc_settings()
     job = load_job(job_path, overrides=overrides)
     env = LaunchEnv.read()
     preflight(rank, env.nodes)
