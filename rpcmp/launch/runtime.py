@@ -43,7 +43,7 @@ def _malloc_settings() -> None:
     """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise (this
     limits the arenas of the threads started from here on, in every kind of launch); and freed
     memory of up to 32 MiB kept for the next step, unless ``MALLOC_MMAP_THRESHOLD_`` or
-    ``MALLOC_TRIM_THRESHOLD_`` say otherwise.
+    ``MALLOC_TRIM_THRESHOLD_`` say otherwise (or ``GLIBC_TUNABLES``' ``glibc.malloc.*`` of the same names).
 
     [Note: one malloc arena]
     A stage process allocates from many threads: RPC threads receive activations and
@@ -70,12 +70,14 @@ def _malloc_settings() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
         return
+    told = set(os.environ) | {f"MALLOC_{t.upper()}" for t in ("arena_max", "mmap_threshold_", "trim_threshold_")
+                              if f"malloc.{t.rstrip('_')}=" in os.environ.get("GLIBC_TUNABLES", "")}
     settings = {"MALLOC_ARENA_MAX": (-8, 1)}  # M_ARENA_MAX
-    if not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(os.environ):
+    if not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & told:
         # both or neither: either one set fixes the other where it is (glibc stops moving them)
         settings.update(MALLOC_MMAP_THRESHOLD_=(-3, 32 << 20), MALLOC_TRIM_THRESHOLD_=(-1, 2**31 - 1))
     for name, (param, value) in settings.items():
-        if name not in os.environ:
+        if name not in told:
             try:
                 libc.mallopt(param, value)
             except AttributeError:  # not glibc
