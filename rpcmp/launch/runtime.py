@@ -39,6 +39,13 @@ __all__ = ["run_rank", "free_port", "reserve_ports", "default_threads", "usable_
 
 
 
+_MALLOPT = {  # what a user may export (or set in GLIBC_TUNABLES) instead: (that tunable, mallopt's parameter, value)
+    "MALLOC_ARENA_MAX": ("glibc.malloc.arena_max", -8, 1),  # M_ARENA_MAX
+    "MALLOC_MMAP_THRESHOLD_": ("glibc.malloc.mmap_threshold", -3, 32 << 20),  # M_MMAP_THRESHOLD: glibc's largest
+    "MALLOC_TRIM_THRESHOLD_": ("glibc.malloc.trim_threshold", -1, 2**31 - 1),  # M_TRIM_THRESHOLD: never trim
+}
+
+
 def _malloc_settings() -> None:
     """One glibc malloc arena per process, unless ``MALLOC_ARENA_MAX`` says otherwise (this
     limits the arenas of the threads started from here on, in every kind of launch); and freed
@@ -70,13 +77,11 @@ def _malloc_settings() -> None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc
         return
-    told = set(os.environ) | {f"MALLOC_{t.upper()}" for t in ("arena_max", "mmap_threshold_", "trim_threshold_")
-                              if f"malloc.{t.rstrip('_')}=" in os.environ.get("GLIBC_TUNABLES", "")}
-    settings = {"MALLOC_ARENA_MAX": (-8, 1)}  # M_ARENA_MAX
-    if not {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & told:
-        # both or neither: either one set fixes the other where it is (glibc stops moving them)
-        settings.update(MALLOC_MMAP_THRESHOLD_=(-3, 32 << 20), MALLOC_TRIM_THRESHOLD_=(-1, 2**31 - 1))
-    for name, (param, value) in settings.items():
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    told = {name for name, (tunable, _, _) in _MALLOPT.items() if name in os.environ or f"{tunable}=" in tunables}
+    if told & {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}:  # either one set fixes the other where it is
+        told |= {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}  # (glibc stops moving it): both or neither
+    for name, (_, param, value) in _MALLOPT.items():
         if name not in told:
             try:
                 libc.mallopt(param, value)
