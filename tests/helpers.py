@@ -263,3 +263,24 @@ def same_built_graphs(job, specs) -> bool:
             if code(shipped) != code(traced) or tensors(shipped) != tensors(traced):
                 return False
     return True
+
+
+_STEPS_TAKEN: list[int] = []
+
+
+class RecordingSGD(torch.optim.SGD):
+    """``torch.optim.SGD`` that notes, for each step that has a gradient to apply, whether it ran inside a backward
+    pass: the autograd engine's graph task id then, -1 outside one (not the steps without any: rpcmp's scheduler
+    drives one on the master, on no parameter of the model). Read (and cleared) on a process with
+    :func:`steps_taken`."""
+
+    def step(self, closure=None):
+        if any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            _STEPS_TAKEN.append(torch._C._current_graph_task_id())
+        return super().step(closure)
+
+
+def steps_taken() -> list[int]:
+    taken = list(_STEPS_TAKEN)
+    _STEPS_TAKEN.clear()
+    return taken

@@ -42,7 +42,10 @@ class Steppable(Protocol):
     def next_seqs(self, count: int) -> list[int]: ...
     def backward(self, ctx: int, loss: torch.Tensor) -> None: ...
     def to_fp32(self, out: Any) -> Any: ...
-    def apply_step(self, ctx_id: int, loss: torch.Tensor) -> None: ...
+    def allows_update(self, loss: torch.Tensor) -> bool: ...
+    def apply_step(self, ctx_id: int, loss: torch.Tensor, stepped: tuple[str, ...] = ()) -> None: ...
+    @property
+    def steps_in_backward(self) -> bool: ...
     def resync(self) -> None: ...
 
 
@@ -128,6 +131,11 @@ class _MicroBatches:
         # made in _threaded (a step of one micro-batch runs on the calling thread: _alone)
         self.backward_done = self.stepped = self.merged = None
         self.gathered = plan.loss is Loss.GATHERED
+        # a step of one micro-batch: the owners that take the optimizer step in its backward, where the pipeline lets
+        # them (see [Note: a step of one micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py);
+        # None: the master asks every owner after the backward
+        self.in_backward = () if m == 1 and not self.gathered and pipe.steps_in_backward else None
+        self.skips_update = False  # Job.nonfinite skips this step's update, decided before its backward
         # kept once for check_mean_loss (a loss per micro-batch), or for the loss on the gathered batch
         self.outs = [None] * m if self.gathered or (m > 1 and not pipe.loss_checked) else None
         self.roots: list = [None] * m  # gathered: what micro-batch i's backward starts from (see _gathered_loss)
@@ -166,7 +174,8 @@ class _MicroBatches:
             except BaseException as exc:  # noqa: BLE001 - re-raised by run(), as a micro-batch thread's is
                 self.errors.append((0, exc))
                 return
-            self.pipe.apply_step(ctx, self._total())
+            if not self.skips_update:
+                self.pipe.apply_step(ctx, self._total(), self.in_backward or ())
 
     def _threaded(self) -> None:
         """Each micro-batch on a thread of its own, entering when the plan says; this thread takes the
@@ -228,8 +237,11 @@ class _MicroBatches:
 
     def _forward_backward(self, i: int, ctx: int) -> None:
         pipe = self.pipe
+        early = self.in_backward is not None
         out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe.owners,
-                         len(self.xs) == 1).wait()
+                         len(self.xs) == 1, early).wait()
+        if early:
+            out, self.in_backward = out
         out = pipe.to_fp32(out)
         if self.gathered:
             self.outs[i] = out
@@ -242,8 +254,11 @@ class _MicroBatches:
             loss = loss * share
         if self.outs is not None:
             self.outs[i] = map_tensors(out, torch.Tensor.detach)
-        pipe.backward(ctx, loss)
         self.losses[i] = loss.detach()
+        if self.in_backward and not pipe.allows_update(loss):  # decided before the owners step in the backward
+            self.skips_update = True  # no backward, no update
+            return
+        pipe.backward(ctx, loss)
 
     def _gathered_loss(self) -> None:
         """gpipe: the loss of the gathered batch, exact for any loss (a batch-level Dice, a sum), and

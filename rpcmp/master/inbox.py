@@ -17,8 +17,8 @@ from ..core.served import current
 __all__ = ["send", "deliver", "abandon", "cancel"]
 
 
-def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str], alone: bool = False
-         ) -> torch.futures.Future:
+def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str], alone: bool = False,
+         steps: bool = False) -> torch.futures.Future:
     """On the master: start micro-batch ``seq`` at the first stage's owner ``first``.
 
     The returned future completes with the last stage's output the moment :func:`deliver`
@@ -28,7 +28,9 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str], 
     has arrived; see [Note: why activations skip the master]. If the chain fails, every
     stage (``owners[k]`` holds stage k) is told to skip ``seq``, so that the stages after
     the failure do not wait for it with later micro-batches. ``alone``: ``seq`` is its step's only
-    micro-batch (each stage runs it on the RPC thread that receives it).
+    micro-batch (each stage runs it on the RPC thread that receives it). ``steps``: the owners take the optimizer
+    step in its backward where they can, and the future's value is ``(output, the owners that will)`` (see [Note: a
+    step of one micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py).
     """
     served = current()
     awaited = served.inbox
@@ -49,13 +51,15 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str], 
                 rpc.rpc_async(owner, stage.skip, args=(pid, index, seq))
             except Exception:  # noqa: BLE001 - an owner that is gone has nothing to skip
                 pass
-    rpc.rpc_async(served.worker(first), stage.forward, args=(pid, 0, seq, compact(x), grad, alone)).add_done_callback(failed)
+    args = (pid, 0, seq, compact(x), grad, alone) + (((),) if steps else ())
+    rpc.rpc_async(served.worker(first), stage.forward, args=args).add_done_callback(failed)
     return out
 
 
-def deliver(pid: int, seq: int, y: Any) -> None:
-    """The last stage's output (called by its owner over RPC, or directly when it is the master)."""
-    current().inbox.settle((pid, seq), y)
+def deliver(pid: int, seq: int, y: Any, stepped: tuple | None = None) -> None:
+    """The last stage's output (called by its owner over RPC, or directly when it is the master); with the owners
+    that take the step in its backward, when the master asked for that (:func:`send`)."""
+    current().inbox.settle((pid, seq), y if stepped is None else (y, stepped))
 
 
 def abandon(pid: int, seqs: list[int]) -> None:

@@ -26,10 +26,10 @@ from ..core.futures import raise_failures, wait_all
 from ..core.health import reason, unresponsive
 from ..core.served import current
 from ..errors import JobError, PlacementError, WorkerLostError
-from ..owner import grads
 from ..owner import move as owner_move
 from ..owner import stage
 from ..owner import state as stage_state
+from ..owner import stepping
 from ..plan.placement import Place
 from .sync import LocalMerge
 
@@ -194,14 +194,17 @@ class _Optimizer(DistributedOptimizer):
     was: a parameter that a step did not reach (an expert no token was routed to, a branch not taken) was
     updated again with the gradient of the last step that reached it, where the unsplit model, its
     gradients zeroed to None, leaves it alone (NAdam, tests/jobs/branchy.py: 0.017 off in 3 steps). rpcmp
-    steps every local optimizer itself (:func:`rpcmp.owner.grads.local_step`): a torch.optim one finds every
+    steps every local optimizer itself (:func:`rpcmp.owner.stepping.local_step`): a torch.optim one finds every
     parameter's ``.grad`` set, None where the step has no gradient, and let go after; a functional one is
     handed the list, as torch does. Both read the gradients the owner keeps beside the context (see [Note: a
     parameter the first micro-batch did not reach] in rpcmp/owner/reduce.py)."""
 
-    def step(self, context_id):
-        wait_all([rpc.rpc_async(o.owner(), grads.local_step, args=(o, context_id, self.is_functional_optim))
-                  for o in self.remote_optimizers])
+    def step(self, context_id, stepped=()):
+        """The step of context ``context_id`` on every owner but those in ``stepped``, which took it in the
+        backward (see [Note: a step of one micro-batch steps where its gradients are made] in
+        rpcmp/owner/stepping.py)."""
+        wait_all([rpc.rpc_async(o.owner(), stepping.local_step, args=(o, context_id, self.is_functional_optim))
+                  for o in self.remote_optimizers if o.owner().name not in stepped])
 
 
 def register_optimizers(pipe) -> None:

@@ -214,19 +214,33 @@ class Pipeline(PipelineState):
         the model] in rpcmp/plan/writes.py) and Job.batchnorm keeps whole batches."""
         return bool(self.specs[0].mixes) and self.job.batchnorm == "batch"
 
-    def apply_step(self, ctx_id: int, loss: torch.Tensor) -> None:
+    @property
+    def steps_in_backward(self) -> bool:
+        """Whether owners may take a step of one micro-batch in its backward (see [Note: a step of one micro-batch
+        steps where its gradients are made] in rpcmp/owner/stepping.py)."""
+        return (self.optimizer is not None and type(self.sync) is LocalMerge and not self.gradients.needs_norm
+                and not tied.shared_groups(self.specs))
+
+    def allows_update(self, loss: torch.Tensor) -> bool:
+        """``Job.nonfinite`` on the step's loss: False (skip) or raise for a NaN or infinite one."""
+        return self.nonfinite.allows(loss)
+
+    def apply_step(self, ctx_id: int, loss: torch.Tensor, stepped: tuple[str, ...] = ()) -> None:
         """The optimizer step of context ``ctx_id`` after the step's backward, as the policy allows
-        (non-finite loss, fp16 overflow); with replicas, on gradients averaged over the copies."""
+        (non-finite loss, fp16 overflow); with replicas, on gradients averaged over the copies. ``stepped``: the
+        owners that took it in the backward, the loss allowed before it (:attr:`steps_in_backward`)."""
         if self.optimizer is None:
             return
-        loss = self.sync.before_step(self, ctx_id, loss)
-        if loss is None or not self._finite(loss):
-            return
-        tied.sum_shared(self, ctx_id)  # see [Note: a parameter shared by stages]
-        if self._unscale_and_clip(ctx_id):
-            self.optimizer.step(ctx_id)
-            self.nonfinite.updated = True
-            self._schedule_lr()
+        if not stepped:
+            loss = self.sync.before_step(self, ctx_id, loss)
+            if loss is None or not self.allows_update(loss):
+                return
+            tied.sum_shared(self, ctx_id)  # see [Note: a parameter shared by stages]
+            if not self._unscale_and_clip(ctx_id):
+                return
+        self.optimizer.step(ctx_id, stepped)
+        self.nonfinite.updated = True
+        self._schedule_lr()
 
     def settle_reduce(self, wait: bool) -> None:
         """After a failed step of a copy: its stages take part in the step's all_reduce all the same."""
@@ -300,9 +314,6 @@ class Pipeline(PipelineState):
     def learning_rates(self) -> list[float]:
         """The learning rate each owner's optimizer will use next (in the first parameter group it holds)."""
         return [f[min(f)]["lr"] for f in self.hparams()]
-
-    def _finite(self, loss: torch.Tensor) -> bool:
-        return self.nonfinite.allows(loss)
 
     @property
     def skipped_steps(self) -> int:

@@ -6,17 +6,16 @@ norm for clipping, the scaling it decides, and the gradients of a parameter that
 from __future__ import annotations
 
 import torch
-from torch.distributed.optim.optimizer import _LocalOptimizer
 
 from ..errors import StageError
 from ..core.failure import Failure
 from ..core.served import current
-from ..plan.placement import MASTER
 from .reduce import StepMerge, StepReduce, drop_beside, param_grads
+from .stepping import needs_word
 from .stage import StageHost, count_reduce, named_params, running_stats
 
 __all__ = ["begin_merge", "begin_reduce", "reduce_merged", "average_grads", "settle_reduce",
-           "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads", "local_step"]
+           "grad_sq_norm", "shared_grad", "set_shared_grad", "scale_grads"]
 
 
 def _trainable(host: StageHost) -> dict[str, torch.Tensor]:
@@ -37,20 +36,13 @@ def begin_merge(pid: int, first_seq: int, count: int) -> bool:
         params = _trainable(host)
         _drop_last(host)
         host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts) if params else None
-    return _needs_word(hosts)
+    return needs_word(hosts)
 
 
 def _drop_last(host: StageHost) -> None:
     """What a step that took no optimizer step (failed, or skipped) kept beside its first context."""
     if host.reduce is not None and 0 in host.reduce.contexts:
         drop_beside(host.reduce.contexts[0])
-
-
-def _needs_word(hosts: list[StageHost]) -> bool:
-    """Whether the stages here may not learn by themselves that a micro-batch's whole backward is done: two
-    stages here, a posting stage, or a stage of the master's that is not the last."""
-    return (len(hosts) > 1 or any(h.posts for h in hosts)
-            or any(h.place.process == MASTER and h.next_process is not None for h in hosts))
 
 
 def begin_reduce(pid: int, first_seq: int, count: int) -> bool:
@@ -68,7 +60,7 @@ def begin_reduce(pid: int, first_seq: int, count: int) -> bool:
         group = served.stage_groups[host.spec.index]  # the stage's copies, one per replica
         host.reduce = StepReduce(params, _where(host), group, group.size(), first_seq, count,
                                  hook=not host.posts, stats=running_stats(host.module, host.spec))
-    return _needs_word(hosts)
+    return needs_word(hosts)
 
 
 def _stepping(pid: int) -> list[StageHost]:
@@ -124,28 +116,3 @@ def set_shared_grad(pid: int, index: int, name: str, ctx_id: int, value: torch.T
 def scale_grads(pid: int, ctx_id: int, scale: float) -> None:
     for g in param_grads(named_params(pid), ctx_id).values():
         g.mul_(scale)
-
-
-def local_step(optim_rref, ctx_id: int, functional: bool) -> None:
-    """A local optimizer's step on context ``ctx_id``'s gradients and those kept beside it (see [Note: a
-    parameter the first micro-batch did not reach] in rpcmp/owner/reduce.py), which it lets go: a functional
-    optimizer is handed them, None where a parameter has none; a torch.optim one finds them in ``.grad``, None
-    where a parameter has none, and None again after the step (see [Note: a parameter a step did not reach]
-    in rpcmp/master/move.py)."""
-    local = optim_rref.local_value()
-    params = local._local_params
-    got = param_grads(set(params), ctx_id)
-    try:
-        if functional:
-            local.optim.step([got.get(p) for p in params])
-            return
-        with _LocalOptimizer.global_lock:  # as torch's own step: one step at a time on this process
-            for p in params:
-                p.grad = got.get(p)
-            try:
-                local.optim.step()
-            finally:
-                for p in params:
-                    p.grad = None
-    finally:
-        drop_beside(ctx_id, params)

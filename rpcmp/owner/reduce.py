@@ -85,7 +85,7 @@ __all__ = ["StepMerge", "StepReduce", "param_grads", "drop_beside"]
 # (``_BESIDE``, by the first context's id, in micro-batch order as every merge): everything that reads
 # the step's gradients on the owner reads them through :func:`param_grads` (the clipping norm, the fp16
 # unscale, a shared parameter's sum, the replicas' average) and so does the optimizer step
-# (:func:`rpcmp.owner.grads.local_step`), which lets them go. A parameter no micro-batch reached has no
+# (:func:`rpcmp.owner.stepping.local_step`), which lets them go. A parameter no micro-batch reached has no
 # gradient, and the optimizer leaves it alone, as the unsplit model's does.
 _BESIDE: dict[int, dict[torch.Tensor, torch.Tensor]] = {}
 

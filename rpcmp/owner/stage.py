@@ -63,6 +63,7 @@ from ..plan.writes import stamps, unknown_writes
 from .recompute import Recomputed, make_recomputable
 from ..plan.placement import MASTER, Place, check_device
 from .reduce import StepMerge, StepReduce
+from . import stepping
 from ..core.served import current
 
 # The RPC endpoints the master calls (rpcmp.master.pipeline, rpcmp.master.executor, rpcmp.master.inbox); each finds
@@ -262,11 +263,12 @@ def _done(value: Any) -> torch.futures.Future:
 
 
 @rpc.functions.async_execution
-def forward(pid: int, index: int, seq: int, x: Any, grad: bool, alone: bool = False,
+def forward(pid: int, index: int, seq: int, x: Any, grad: bool, alone: bool = False, steps: tuple | None = None,
             sent: float | None = None) -> torch.futures.Future:
     """Run micro-batch ``seq`` through stage ``index`` and hand it on. ``alone``: the only micro-batch of its step
-    (see [Note: one compute thread per stage]). ``sent``: while tracing, when the stage before started sending
-    it (its transfer is a slice of the timeline: rpcmp.train.timeline)."""
+    (see [Note: one compute thread per stage]). ``steps``: the owners that will step in its backward so far (see
+    rpcmp/owner/stepping.py); None: none is asked to. ``sent``: while tracing, when the stage before started
+    sending it (its transfer is a slice of the timeline: rpcmp.train.timeline)."""
     served = current()
     host = served.host(pid, index)
     if sent is not None and host.events is not None:
@@ -280,18 +282,21 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool, alone: bool = Fa
                                 f"{described(host.spec, exc)}", exc))
     if grad and host.reduce is not None:
         host.reduce.watch(seq, y)
+    if grad and steps is not None and served.me not in steps and stepping.arm(pid, y):
+        steps = (*steps, served.me)
     posted = []
     if host.posts:  # see [Note: skip values go straight to their consumer] in rpcmp/plan/traced.py
         y, posts = y
         posted = [rpc.rpc_async(host.owners[j], post, args=(pid, j, seq, values)) for j, values in posts.items()]
     if host.next_process is not None:
         traced = (time.time(),) if host.events is not None else ()
-        nxt = rpc.rpc_async(served.worker(host.next_process), forward, args=(pid, index + 1, seq, y, grad, alone, *traced))
+        nxt = rpc.rpc_async(served.worker(host.next_process), forward,
+                            args=(pid, index + 1, seq, y, grad, alone, steps, *traced))
     elif host.place.process == MASTER:  # the last stage runs on the master: no hop to deliver
-        host.deliver(pid, seq, y)
+        host.deliver(pid, seq, y, steps)
         nxt = _done(None)
     else:
-        nxt = rpc.rpc_async(served.worker(MASTER), host.deliver, args=(pid, seq, y))
+        nxt = rpc.rpc_async(served.worker(MASTER), host.deliver, args=(pid, seq, y, steps))
     if not posted:
         return nxt
     return torch.futures.collect_all([nxt, *posted]).then(lambda done: [f.wait() for f in done.wait()][0])

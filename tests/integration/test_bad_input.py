@@ -11,13 +11,16 @@ from helpers import run_ranks
 pytestmark = pytest.mark.integration
 
 
+SCHEDULES = [("overlap", 2), ("gpipe", 2), ("overlap", 1)]
+
+
 def _nonfinite(job, world_size):
     out = {}
     x, y = torch.randn(8, 16), torch.randn(8, 8)
     for policy in ("stop", "skip"):
-        for sched in ("overlap", "gpipe"):
+        for sched, m in SCHEDULES:  # M = 1: the owners would step in the backward (rpcmp/owner/stepping.py)
             job.nonfinite = policy
-            pipe = rpcmp.Pipeline(job, world_size, schedule=sched)
+            pipe = rpcmp.Pipeline(job, world_size, schedule=sched, microbatches=m)
             before = pipe.state_dict()
             try:
                 with pytest.warns(RuntimeWarning) if policy == "skip" else _nothing():
@@ -27,7 +30,7 @@ def _nonfinite(job, world_size):
                 result = f"NonFiniteLossError: {exc}"
             unchanged = all(torch.equal(before[k], v) for k, v in pipe.state_dict().items())
             finite_step = pipe.train_step(x, y).item()
-            out[(policy, sched)] = (result, unchanged, finite_step)
+            out[(policy, sched, m)] = (result, unchanged, finite_step)
             pipe.close()
     # more micro-batches in one step than the pipeline was built for: no deadlock
     out["more chunks"] = rpcmp.Pipeline(job, world_size, microbatches=2).train_step(x, y, chunks=8).item()
@@ -49,12 +52,12 @@ class _nothing:
 @pytest.mark.timeout(180)
 def test_nonfinite_loss_stops_or_skips_and_small_batch_is_refused():
     out = run_ranks("mlp", 3, _nonfinite)
-    for sched in ("overlap", "gpipe"):
-        result, unchanged, next_loss = out[("stop", sched)]
+    for sched, m in SCHEDULES:
+        result, unchanged, next_loss = out[("stop", sched, m)]
         assert result.startswith("NonFiniteLossError: the loss is nan before any update") and "nonfinite='skip'" in result
         assert "rpcmp plan JOB --check" in result and "Lower the learning rate" not in result
         assert unchanged and next_loss == next_loss  # parameters untouched and still trainable
-        result, unchanged, next_loss = out[("skip", sched)]
+        result, unchanged, next_loss = out[("skip", sched, m)]
         assert result == "loss nan" and unchanged and next_loss == next_loss
     assert "a batch of 3 samples cannot be split into 4 micro-batches" in out["small batch"]
     assert out["more chunks"] > 0

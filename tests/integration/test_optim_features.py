@@ -1,12 +1,14 @@
-"""Clipping by the global norm over every stage, LR schedulers on every stage, and
-accumulation, each equal to the same feature on the unsplit model in one process."""
+"""Clipping by the global norm over every stage, LR schedulers on every stage, accumulation, and a step of one
+micro-batch taken by each owner in its backward, each equal to the same feature on the unsplit model in one
+process."""
 import dataclasses
 
 import pytest
 import torch
+import torch.distributed.rpc as rpc
 
 import rpcmp
-from helpers import assert_close_f32, batches, load, run_ranks
+from helpers import RecordingSGD, assert_close_f32, batches, load, run_ranks, steps_taken
 
 pytestmark = pytest.mark.integration
 STEPS = 4
@@ -19,6 +21,20 @@ WARMUP = (torch.optim.lr_scheduler.LinearLR, {"start_factor": 0.1, "total_iters"
 ONECYCLE = (torch.optim.lr_scheduler.OneCycleLR, {"max_lr": 0.2, "total_steps": STEPS})
 SCHEDULED = {"warmup-sgd": (SGD, WARMUP), "onecycle-sgd": (SGD, ONECYCLE), "warmup-adam": (ADAM, WARMUP),
              "onecycle-adam": ((torch.optim.Adam, {"lr": 0.01}), ONECYCLE)}
+
+
+# A step of one micro-batch: which owners take the optimizer step in its backward (see [Note: a step of one
+# micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py): name -> (Job fields, M, the
+# processes that step in the backward; the others are asked after it)
+ONE_EACH = ["worker1/cpu", "worker2/cpu", "master/cpu"]
+IN_BACKWARD = {
+    "m1": ({"placement": ONE_EACH}, 1, {"master", "worker1", "worker2"}),
+    "m1-sched": ({"placement": ONE_EACH, "scheduler": WARMUP}, 1, {"master", "worker1", "worker2"}),
+    "m1-two-stages-here": ({"placement": ["worker1/cpu", "worker1/cpu", "master/cpu"]}, 1, {"master"}),
+    "m1-master-first": ({"placement": ["master/cpu", "worker1/cpu", "worker2/cpu"]}, 1, {"worker1", "worker2"}),
+    "m1-clip": ({"placement": ONE_EACH, "clip_grad_norm": 0.05}, 1, set()),
+    "m2": ({"placement": ONE_EACH}, 2, set()),
+}
 
 
 def _run(job, world_size):
@@ -51,6 +67,13 @@ def _run(job, world_size):
         (x0, y0), (x1, y1) = data[i], data[i + 1]
         pipe.train_step(torch.cat([x0, x1]), torch.cat([y0, y1]), chunks=4)
     out["accumulate"] = pipe.state_dict()
+    for name, kw in IN_BACKWARD.items():
+        variant = dataclasses.replace(job, stages=rpcmp.Split([2, 3, 2]), optimizer=(RecordingSGD, SGD[1]), **kw[0])
+        pipe = rpcmp.Pipeline(variant, world_size, microbatches=kw[1])
+        for x, y in data:
+            pipe.train_step(x, y)
+        out[name] = (pipe.state_dict(), {p: rpc.rpc_sync(p, steps_taken) for p in ("master", "worker1", "worker2")})
+        pipe.close()
     return out
 
 
@@ -124,3 +147,15 @@ def test_every_field_a_scheduler_sets_reaches_every_stage_before_the_step_that_u
 @pytest.mark.timeout(300)
 def test_accumulation_equals_one_batch_k_times_larger(runs):
     assert_close_f32(runs["accumulate"], _reference(accumulate=2)[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(IN_BACKWARD))
+def test_a_step_of_one_micro_batch_is_taken_by_each_owner_that_can_in_its_backward_once(runs, name):
+    fields, _, inside = IN_BACKWARD[name]
+    state, taken = runs[name]
+    holders = {place.split("/")[0] for place in fields["placement"]}
+    for process, graph_tasks in taken.items():  # one update a step, by the owner or by the master's call
+        assert len(graph_tasks) == (STEPS if process in holders else 0), (name, taken)
+        assert all((t >= 0) == (process in inside) for t in graph_tasks), (name, taken)
+    assert_close_f32(state, _reference(clip=fields.get("clip_grad_norm"), scheduler=fields.get("scheduler"))[0])

@@ -37,7 +37,8 @@ class FakePipe:
     output is ``2 * x``, answered after a random delay from another thread."""
 
     def __init__(self, stages: int, fail: set[int] = frozenset(), seed: int = 0, delays: dict | None = None,
-                 grad: bool = False, output=lambda x: 2 * x):
+                 grad: bool = False, output=lambda x: 2 * x, steps_in_backward: bool = False,
+                 armed: tuple = ("first",), allows: bool = True):
         self.pid, self.job = 7, SimpleNamespace(loss=lambda out, y: ((out - y) ** 2).mean())
         self.specs, self.places = [SimpleNamespace(sizes=())] * stages, [SimpleNamespace(process="first")]
         self.owners, self.optimizer, self.loss_checked, self.schedule = ["first"] * stages, object(), True, "overlap"
@@ -48,6 +49,9 @@ class FakePipe:
         self.local = threading.local()
         self.delays, self.cancelled, self.lost = delays or {}, set(), set()
         self.grad, self.outs, self.grads, self.output = grad, {}, {}, output  # grad: outputs are leaves; backward records their gradient
+        # steps_in_backward: the owners may step in a step's only backward; those of them that arm it (armed), and
+        # Job.nonfinite's answer (allows)
+        self.steps_in_backward, self.armed, self.allows, self.asked = steps_in_backward, armed, allows, set()
 
     def cancel(self, seqs):
         """inbox.cancel: the owners fail what has not started on them (rpcmp.owner.admission.InOrder.cancel)."""
@@ -60,9 +64,10 @@ class FakePipe:
         self.seq += count
         return list(range(self.seq - count, self.seq))
 
-    def send(self, pid, seq, first, x, grad, owners, alone=False):
+    def send(self, pid, seq, first, x, grad, owners, alone=False, steps=False):
         i = seq - self.seqs0
         self.alone.add(alone)
+        self.asked.add(steps)
         self.local.i = i  # the same driver thread calls backward for this micro-batch
         with self.lock:
             self.events.append(("enter", i))
@@ -79,7 +84,7 @@ class FakePipe:
                 fut.set_exception(StepCancelled(f"stage 1: micro-batch {i} not run, its step failed elsewhere"))
             else:
                 self.outs[i] = self.output(x.requires_grad_(self.grad))
-                fut.set_result(self.outs[i])
+                fut.set_result((self.outs[i], self.armed) if steps else self.outs[i])
         threading.Timer(self.delays.get(i, self.rng.uniform(0, 0.02)), answer).start()
         return fut
 
@@ -93,8 +98,12 @@ class FakePipe:
     def to_fp32(self, out):
         return out
 
-    def apply_step(self, ctx_id, loss):
-        self.events.append(("step", ctx_id, loss.item()))
+    def allows_update(self, loss):
+        self.events.append(("allows", loss.item()))
+        return self.allows
+
+    def apply_step(self, ctx_id, loss, stepped=()):
+        self.events.append(("step", ctx_id, loss.item(), stepped))
 
     def resync(self):
         self.resyncs += 1
@@ -158,6 +167,40 @@ def test_gpipe_computes_one_loss_on_the_gathered_batch_and_each_backward_starts_
         # each micro-batch's backward gets exactly its rows of the whole loss's gradient
         torch.testing.assert_close(torch.cat([pipe.grads[i] for i in range(m)]), torch.autograd.grad(expected, whole)[0],
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
+def test_a_step_of_one_micro_batch_asks_the_owners_to_step_in_its_backward_and_the_others_after_it(fake, schedule):
+    # see [Note: a step of one micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py
+    pipe = fake(2, steps_in_backward=True, armed=("worker1", "master"))
+    x, y = _batch(8)
+    loss = executor.run_step(pipe, schedule, x, y, 1)
+    assert pipe.asked == {True}
+    kinds = [e[0] for e in pipe.events]
+    assert kinds == ["enter", "allows", "backward", "step"]  # the loss is allowed before the owners step
+    assert pipe.events[-1][2:] == (pytest.approx(loss.item()), ("worker1", "master"))
+    # none armed (every owner holds two stages, say): the step as before, the loss checked by apply_step
+    pipe = fake(2, steps_in_backward=True, armed=())
+    executor.run_step(pipe, schedule, x, y, 1)
+    assert [e[0] for e in pipe.events] == ["enter", "backward", "step"] and pipe.events[-1][3] == ()
+
+
+def test_a_loss_that_skips_its_update_skips_the_backward_the_owners_would_step_in(fake):
+    pipe = fake(2, steps_in_backward=True, allows=False)
+    x, y = _batch(8)
+    loss = executor.run_step(pipe, "overlap", x, y, 1)
+    assert [e[0] for e in pipe.events] == ["enter", "allows"]  # no backward, no step
+    torch.testing.assert_close(loss, ((2 * x - y) ** 2).mean())
+
+
+@pytest.mark.parametrize("schedule, m", [("overlap", 4), ("1f1b", 2), ("gpipe", 1)])
+def test_no_owner_steps_in_the_backward_of_several_micro_batches_or_of_a_gathered_loss(fake, schedule, m):
+    pipe = fake(2, steps_in_backward=True)
+    x, y = _batch(8)
+    executor.run_step(pipe, schedule, x, y, m)
+    steps = [e for e in pipe.events if e[0] == "step"]
+    assert pipe.asked == {False} and "allows" not in [e[0] for e in pipe.events]
+    assert len(steps) == 1 and steps[0][3] == ()
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "1f1b", "gpipe"])
