@@ -82,6 +82,49 @@ def _rpcmp_mlp(job, world):
     return out
 
 
+def _mlp_side_by_side(job, world, blocks=6, block=5):
+    """rpcmp and pipelining's GPipe and 1F1B take turns in the same two processes (pipelining's rank 0 on worker1,
+    which holds rpcmp's first stage, rank 1 here), ``blocks`` times ``block`` steps each, at M = 1, 4 and 8: one
+    launch to the next moves a step by a tenth or more, and each launch of its own also had each system's allocator
+    as it ships (rpcmp's settings: [Note: one malloc arena]); here both run on the same cores, memory and settings.
+    ``{m: (rpcmp's median, pipelining's best median)}``, seconds."""
+    x, y = mlp_data()
+    port = free_port()
+    rank0 = rpc.rpc_async("worker1", bm.pipelining_mlp_init, args=(0, port, x, y))
+    bm.pipelining_mlp_init(1, port, x, y)
+    rank0.wait()
+
+    def pipelining(key, n):
+        other = rpc.rpc_async("worker1", bm.pipelining_mlp_steps, args=(key, n))
+        times = bm.pipelining_mlp_steps(key, n)
+        other.wait()
+        return times
+    out = {}
+    for m in (1, 4, 8):
+        pipe = rpcmp.Pipeline(job, world, microbatches=m)
+        peers = [f"gpipe_m{m}"] + ([f"1f1b_m{m}"] if m > 1 else [])
+        steps = {"rpcmp": lambda n: [_timed(pipe.train_step, x, y) for _ in range(n)],
+                 **{k: (lambda n, k=k: pipelining(k, n)) for k in peers}}
+        times = {k: [] for k in steps}
+        for k, run in steps.items():
+            run(WARMUP)
+        for _ in range(blocks):
+            for k, run in steps.items():
+                times[k] += run(block)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out[m] = (med["rpcmp"], min(med[k] for k in peers))
+        pipe.close()
+    rpc.rpc_sync("worker1", bm.pipelining_mlp_end)
+    bm.pipelining_mlp_end()
+    return out
+
+
+def _timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
 def _rpcmp_unet(job, world):
     x, y = unet_data()
     pipe = rpcmp.Pipeline(job, world, sample=x)  # the job has no data: the names are checked on this batch
@@ -341,6 +384,24 @@ def hops(console, res, rounds):
     res["hop_rounds"] = runs
 
 
+def mlp_side_by_side(console, res, rounds):
+    console.print(f"[bold]MLP as above, rpcmp and pipelining's GPipe / 1F1B taking turns in the same 2 processes, "
+                  f"{rounds} launches")
+    runs = [launch_local(os.path.join(JOBS, "mlp.py"), 2, _mlp_side_by_side, master_in_process=False)
+            for _ in range(rounds)]
+    res["mlp_side_by_side_rounds"] = runs
+    res["mlp_side_by_side_ratio_per_round"] = {m: [r[m][0] / r[m][1] for r in runs] for m in (1, 4, 8)}
+
+
+def report_side_by_side(console, res):
+    for m, ratios in res["mlp_side_by_side_ratio_per_round"].items():
+        ours = statistics.median(r[m][0] for r in res["mlp_side_by_side_rounds"])
+        peer = statistics.median(r[m][1] for r in res["mlp_side_by_side_rounds"])
+        console.print(f"MLP M={m}, same processes: rpcmp {ours * 1e3:.1f} ms vs pipelining's best {peer * 1e3:.1f} ms; "
+                      f"ratio per launch " + ", ".join(f"{r:.3f}" for r in ratios)
+                      + f" (median {statistics.median(ratios):.3f})")
+
+
 def _best(run: dict, m: int) -> float:
     """The faster of a launch's GPipe and 1F1B steps at M = ``m`` (pipelining runs no 1F1B below M = 2; rpcmp's
     M = 1 step is every schedule's)."""
@@ -350,20 +411,23 @@ def _best(run: dict, m: int) -> float:
 @click.command()
 @click.option("--out", default="bench-results/bench.json", show_default=True)
 @click.option("--rounds", default=ROUNDS, show_default=True, help="Alternating launches of rpcmp and its peer.")
-@click.option("--only", type=click.Choice(["all", "mlp", "hops"]), default="all", show_default=True,
-              help="mlp: the loopback MLP comparison alone (rpcmp vs pipelining at M = 1, 4, 8); hops: the per-hop "
-                   "rows alone (rpcmp against its floors, uv and shm).")
+@click.option("--only", type=click.Choice(["all", "mlp", "mlp-same", "hops"]), default="all", show_default=True,
+              help="mlp: the loopback MLP comparison alone (rpcmp vs pipelining at M = 1, 4, 8, in launches of their "
+                   "own and taking turns in the same processes); mlp-same: the latter alone; hops: the per-hop rows alone (rpcmp against its "
+                   "floors, uv and shm).")
 def main(out, rounds, only):
     console = Console()
     res = {}
-    if only == "hops":
-        hops(console, res, rounds)
-        report_hops(console, res)
+    if only in ("hops", "mlp-same"):
+        (hops if only == "hops" else mlp_side_by_side)(console, res, rounds)
+        (report_hops if only == "hops" else report_side_by_side)(console, res)
         _write(console, res, out)
         return
     mlp_rounds(console, res, rounds)
+    mlp_side_by_side(console, res, rounds)
     if only == "mlp":
         report_mlp(console, res)
+        report_side_by_side(console, res)
         _write(console, res, out)
         return
     res["rpcmp_mlp_shm"] = launch_local(os.path.join(JOBS, "mlp.py"), 2, _rpcmp_mlp, master_in_process=False,
@@ -454,6 +518,7 @@ def report(console, res):
                   f"{overlap:.0f} MiB", f"{capped / overlap:.2f}")
     console.print(table)
     report_mlp(console, res)
+    report_side_by_side(console, res)
     report_hop_rounds(console, res)
     console.print(f"split Unet M=4 vs pipelining, medians over {len(res['unet_ratio_per_round'])} alternating "
                   "launches; ratio per launch: " + ", ".join(f"{r:.2f}" for r in res["unet_ratio_per_round"]))
