@@ -83,6 +83,25 @@ def test_a_lost_owner_is_replaced_by_the_spare_and_the_model_equals_an_uninterru
     assert_close_f32(got["model"], uninterrupted["model"])
 
 
+@pytest.mark.timeout(300)
+def test_the_first_stage_lost_in_a_step_of_one_micro_batch_is_replaced_and_the_model_equals_an_uninterrupted_run(
+        tmp_path):
+    # M = 1: the later stages step in the backward (rpcmp/owner/stepping.py) and may have stepped when the first
+    # stage's owner dies in its own backward; the rollback to the snapshot must undo them
+    clean = tmp_path / "clean"
+    done = run_command(*_command(clean, "--spares", "1", "--microbatches", "1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    at = random.randint(11, 15)
+    print(f"killing worker1 (stage 0) at step {at}")
+    code, out = _run_and_hit(tmp_path / "run", [(at, "worker1", signal.SIGKILL)], "--spares", "1", "--microbatches",
+                             "1", "--hang-timeout", "5")
+    assert code == 0, out
+    assert out.count("recovered: worker1 was lost") == 1 and "every stage rolled back to step 10" in out, out
+    got, want = load_checkpoint(str(tmp_path / "run")), load_checkpoint(str(clean))
+    assert got["step"] == want["step"] == STEPS
+    assert_close_f32(got["model"], want["model"])
+
+
 def _assert_quiet_after_the_loss(out: str, lost: str) -> None:
     """TensorPipe's lines name the lost process alone: none from the survivors' shutdown, no "Leaking RRef" (see
     [Note: a quiet end after a loss] in rpcmp/launch/ending.py)."""
