@@ -253,7 +253,6 @@ PIPELINING = {  # model: (processes, micro-batch counts)
 
 
 def _pipelining(rank, port, queue, kind, addr="127.0.0.1", iface="lo", timer=None):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=iface)
     world, counts = PIPELINING[kind]
@@ -265,22 +264,8 @@ def _pipelining(rank, port, queue, kind, addr="127.0.0.1", iface="lo", timer=Non
     else:  # the same three parts rpcmp's Unet job declares, with the same seeded weights
         module = bm.UnetStage(["encoder", "decoder", "segmentation_head"][rank])
         loss_fn, (x, y) = bm.bce, unet_data()
-    last = rank == world - 1
-    out = {}
-    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        for m in counts:
-            if name == "1f1b" and m < world:
-                continue  # 1F1B needs at least as many micro-batches as stages
-            stage = PipelineStage(module, rank, world, torch.device("cpu"))
-            sched = cls(stage, n_microbatches=m, loss_fn=loss_fn)
-            opt = torch.optim.SGD(module.parameters(), lr=0.01)
-
-            def step():
-                opt.zero_grad()
-                sched.step(x) if rank == 0 else sched.step(target=y) if last else sched.step()
-                opt.step()
-                dist.barrier()
-            out[f"{name}_m{m}"] = (timer or median_time)(step)
+    out = {key: (timer or median_time)(step)
+           for key, step in bm.pipelining_steps(module, rank, world, counts, loss_fn, x, y).items()}
     if rank == 0:
         queue.put(out)
     dist.destroy_process_group()

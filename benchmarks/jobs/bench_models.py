@@ -74,8 +74,31 @@ def chain_deliver(y: torch.Tensor) -> None:
     CHAIN["out"].set_result(y)
 
 
-# torch.distributed.pipelining's two-rank MLP in rpcmp's own processes (bench._mlp_side_by_side): rank 0 on worker1,
-# which holds rpcmp's first stage, rank 1 on the master, which holds its last; gloo over a store of its own.
+def pipelining_steps(module, rank: int, world: int, counts, loss_fn, x, y) -> dict:
+    """torch.distributed.pipelining's GPipe and 1F1B over ``module``, rank ``rank`` of ``world`` (in an initialised
+    gloo group), at each micro-batch count in ``counts``: one step function per schedule (``"gpipe_m4"``), each the
+    step the bench times: gradients zeroed, the schedule's step, SGD's step, a barrier."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    last, steps = rank == world - 1, {}
+    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
+        for m in counts:
+            if name == "1f1b" and m < world:
+                continue  # 1F1B needs at least as many micro-batches as stages
+            sched = cls(PipelineStage(module, rank, world, torch.device("cpu")), n_microbatches=m, loss_fn=loss_fn)
+            opt = torch.optim.SGD(module.parameters(), lr=0.01)
+
+            def step(sched=sched, opt=opt):
+                opt.zero_grad()
+                sched.step(x) if rank == 0 else sched.step(target=y) if last else sched.step()
+                opt.step()
+                dist.barrier()
+            steps[f"{name}_m{m}"] = step
+    return steps
+
+
+# pipelining's two-rank MLP in rpcmp's own processes (bench._mlp_side_by_side): rank 0 on worker1, which holds
+# rpcmp's first stage, rank 1 on the master, which holds its last; gloo over a store of its own.
 PIPELINING = {}
 
 
@@ -83,34 +106,21 @@ def pipelining_mlp_init(rank: int, port: int, x: torch.Tensor, y: torch.Tensor) 
     from datetime import timedelta
 
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     torch.manual_seed(0)
     full = mlp()
     module = full[:8] if rank == 0 else full[8:]  # the bench's split, the same seeded weights as its other launches
-    scheds = {}
-    for name, cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
-        for m in (1, 4, 8):
-            if name != "1f1b" or m >= 2:  # 1F1B needs at least as many micro-batches as stages
-                scheds[f"{name}_m{m}"] = cls(PipelineStage(module, rank, 2, torch.device("cpu")), n_microbatches=m,
-                                             loss_fn=mse)
-    PIPELINING.update(rank=rank, store=store, x=x, y=y, scheds=scheds,
-                      opt=torch.optim.SGD(module.parameters(), lr=0.01))
+    PIPELINING.update(store=store, steps=pipelining_steps(module, rank, 2, (1, 4, 8), mse, x, y))
 
 
 def pipelining_mlp_steps(key: str, n: int) -> list[float]:
-    """``n`` steps of schedule ``key`` (``gpipe_m4``), as bench._pipelining takes them; each one's seconds."""
+    """``n`` steps of schedule ``key`` (``gpipe_m4``); each one's seconds."""
     import time
-
-    import torch.distributed as dist
-    sched, opt, times = PIPELINING["scheds"][key], PIPELINING["opt"], []
+    times = []
     for _ in range(n):
         start = time.perf_counter()
-        opt.zero_grad()
-        sched.step(PIPELINING["x"]) if PIPELINING["rank"] == 0 else sched.step(target=PIPELINING["y"])
-        opt.step()
-        dist.barrier()
+        PIPELINING["steps"][key]()
         times.append(time.perf_counter() - start)
     return times
 

@@ -282,7 +282,7 @@ def forward(pid: int, index: int, seq: int, x: Any, grad: bool, alone: bool = Fa
                                 f"{described(host.spec, exc)}", exc))
     if grad and host.reduce is not None:
         host.reduce.watch(seq, y)
-    if grad and steps is not None and served.me not in steps and stepping.arm(pid, y):
+    if grad and steps is not None and stepping.arm(pid, y):
         steps = (*steps, served.me)
     posted = []
     if host.posts:  # see [Note: skip values go straight to their consumer] in rpcmp/plan/traced.py

@@ -89,8 +89,7 @@ def arm(pid: int, output: Any) -> bool:
     served = current()
     local, hosts = served.optimizers.get(pid), served.hosts_of(pid)
     needing = [t for t in tensors(output) if t.requires_grad]
-    if (local is None or not needing or needs_word(hosts)
-            or any(getattr(h.device, "type", "cpu") != "cpu" for h in hosts)):
+    if local is None or not needing or needs_word(hosts) or hosts[0].device.type != "cpu":  # needs_word: one host
         return False
     ctx_id = dist_autograd._current_context()._context_id()
     queued = []
