@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/families.py                  # every family below
     .venv/bin/python benchmarks/families.py qwen2 opt        # some of them
+    .venv/bin/python benchmarks/families.py --schedule overlap --microbatches 4   # a loss per micro-batch
 
 For each family: a 4-block model from a tiny config, its batches a dict of ``input_ids`` and a padding
 ``attention_mask``, its loss reading the model's own output (``out.logits``), ``SplitAt`` before blocks 1
@@ -12,8 +13,11 @@ more steps (an encoder-decoder, its decoder reading the same tokens: cut before 
 of the decoder, re-cut before their blocks 2; ALBERT, whose one layer forward calls at every depth: cut before
 the encoder and the head, re-cut before the head's last layer), then eval-mode predictions. Losses, every parameter and the
 predictions are compared with the unsplit model trained on the same batches in this process, at float32
-tolerance. Dropout is off: a layer draws its masks from its own process's generator. This file is also the
-job each launch loads (``FAMILY`` in the environment says which).
+tolerance. ``--schedule overlap`` or ``1f1b`` (and ``--microbatches``) computes a loss per micro-batch instead, where
+the owners take the optimizer step in the backward (rpcmp/owner/stepping.py); its batches have no padding, so that
+the micro-batches' losses, weighted by their share of the samples, add up to the batch's. Dropout is off: a layer
+draws its masks from its own process's generator. This file is also the job each launch loads (``FAMILY`` in the
+environment says which).
 """
 from __future__ import annotations
 
@@ -120,6 +124,8 @@ FAMILIES = {  # name: (config, model, config arguments, the blocks' container, o
                [("m.albert.encoder", "m.predictions"), ("m.albert.encoder", "m.predictions.decoder")]),
 }
 FAMILY = os.environ.get("FAMILY", "gpt2")
+SCHEDULE = os.environ.get("FAMILY_SCHEDULE", "gpipe")
+MICROBATCHES = int(os.environ.get("FAMILY_MICROBATCHES", "4"))
 
 
 class Model(nn.Module):
@@ -142,6 +148,8 @@ def batches(steps: int = 3, size: int = 8, length: int = 16) -> list:
     for _ in range(steps):
         ids = torch.randint(0, V, (size, length + 1), generator=g)
         mask = (torch.arange(length) < torch.randint(4, length + 1, (size, 1), generator=g)).long()
+        if SCHEDULE != "gpipe":  # a loss per micro-batch: every sample of the same length (see the docstring)
+            mask = torch.ones_like(mask)
         out.append(({"input_ids": ids[:, :-1], "attention_mask": mask}, ids[:, 1:].masked_fill(mask == 0, -100)))
     return out
 
@@ -159,7 +167,8 @@ else:
     _CUT, _RECUT = [f"m.{_BLOCKS}.1", f"m.{_BLOCKS}.3"], [f"m.{_BLOCKS}.2", f"m.{_BLOCKS}.3"]
 
 
-job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(*_CUT), batch_size=8, microbatches=4, schedule="gpipe", loss=loss,
+job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(*_CUT), batch_size=8, microbatches=MICROBATCHES, schedule=SCHEDULE,
+                loss=loss,
                 optimizer=(torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.1}), param_groups=rpcmp.no_decay,
                 threads=1)
 
@@ -207,11 +216,12 @@ def _compare() -> str:
     return "equal"
 
 
-def check(family: str) -> str:
+def check(family: str, schedule: str = "gpipe", microbatches: int = 4) -> str:
     """One family in a fresh interpreter (its job is this file, read with ``FAMILY`` set)."""
     import subprocess
+    env = {**os.environ, "FAMILY": family, "FAMILY_SCHEDULE": schedule, "FAMILY_MICROBATCHES": str(microbatches)}
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", family], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "FAMILY": family})
+                          timeout=600, env=env)
     found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if found:
         return found[-1].removeprefix("RESULT ")
@@ -222,14 +232,20 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--one"]:
         print("RESULT " + _compare(), flush=True)
         sys.exit(0)
-    names = sys.argv[1:] or list(FAMILIES)
+    args, options = sys.argv[1:], {"--schedule": "gpipe", "--microbatches": "4"}
+    for flag in options:
+        if flag in args:
+            k = args.index(flag)
+            options[flag] = args[k + 1]
+            del args[k:k + 2]
+    names = args or list(FAMILIES)
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         sys.exit(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
     bad = 0
     for name in names:
         start = time.time()
-        result = check(name)
+        result = check(name, options["--schedule"], int(options["--microbatches"]))
         bad += result != "equal"
         print(f"{name:10s} {result}  ({time.time() - start:.0f} s)", flush=True)
     sys.exit(1 if bad else 0)

@@ -144,6 +144,7 @@ class Served:
         self.buried: list = []  # on the master: handles of things on lost processes, never let go (see keep_lost)
         # this process's local optimizer of each pipeline (see [Note: no handle of a third process] in rpcmp/owner/state.py)
         self.optimizers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.step_gates: dict = {}  # pid -> its steps taken in the backward here, cancelled by a rollback (owner/stepping.py)
         self.ended: set[str] = set()  # on the master: the workers that heard the run end normally (see [Note: an end told])
         self.watches: list = []  # on a worker: the master's watch calls, pending (see [Note: a death seen at once])
         self.watching: dict[str, set[int]] = {}  # on the master: the processes it watches, and for which pipelines

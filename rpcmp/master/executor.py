@@ -131,11 +131,14 @@ class _MicroBatches:
         # made in _threaded (a step of one micro-batch runs on the calling thread: _alone)
         self.backward_done = self.stepped = self.merged = None
         self.gathered = plan.loss is Loss.GATHERED
-        # a step of one micro-batch: the owners that take the optimizer step in its backward, where the pipeline lets
-        # them (see [Note: a step of one micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py);
-        # None: the master asks every owner after the backward
-        self.in_backward = () if m == 1 and not self.gathered and pipe.steps_in_backward else None
-        self.skips_update = False  # Job.nonfinite skips this step's update, decided before its backward
+        # The owners take the optimizer step in the backward, where the pipeline lets them (see [Note: a step steps
+        # where its gradients are made] in rpcmp/owner/stepping.py): the master asks them in the forward message
+        # (M = 1) or as the step begins (sync.begin). in_backward: the owners that will, or did; None: the master asks
+        # every owner after the backward (M = 1: the names come with the output; M > 1: with the last merge).
+        self.asks = not self.gathered and pipe.steps_in_backward
+        self.in_backward = () if m == 1 and self.asks else None
+        self.skips_update = False  # Job.nonfinite skips this step's update, decided before a backward
+        self.unrun: set[int] = set()  # micro-batches whose backward that decision left out
         # kept once for check_mean_loss (a loss per micro-batch), or for the loss on the gathered batch
         self.outs = [None] * m if self.gathered or (m > 1 and not pipe.loss_checked) else None
         self.roots: list = [None] * m  # gathered: what micro-batch i's backward starts from (see _gathered_loss)
@@ -147,7 +150,9 @@ class _MicroBatches:
     def run(self) -> torch.Tensor:
         pipe = self.pipe
         if pipe.optimizer is not None:
-            pipe.sync.begin(pipe, self.seqs[0], len(self.xs))
+            pipe.sync.begin(pipe, self.seqs[0], len(self.xs), steps=self.asks and len(self.xs) > 1)
+            if len(self.xs) > 1 and pipe.sync.arming:
+                self.in_backward = ()
         if len(self.xs) == 1:
             self._alone()
         else:
@@ -191,7 +196,8 @@ class _MicroBatches:
                 return  # a micro-batch failed: run() raises its error
             # Not under the except above: a copy whose meeting with the others broke (Job(replicas=R): another
             # copy failed) did not take the step, and must not return as if it had.
-            pipe.apply_step(self.ctx_ids[0], self._total())
+            if not self.skips_update:
+                pipe.apply_step(self.ctx_ids[0], self._total(), self.in_backward or ())
         finally:
             self.stepped.set()
             for f in futs:
@@ -237,7 +243,7 @@ class _MicroBatches:
 
     def _forward_backward(self, i: int, ctx: int) -> None:
         pipe = self.pipe
-        early = self.in_backward is not None
+        early = self.in_backward is not None and len(self.xs) == 1  # M > 1: the owners were asked as the step began
         out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe.owners,
                          len(self.xs) == 1, early).wait()
         if early:
@@ -255,10 +261,24 @@ class _MicroBatches:
         if self.outs is not None:
             self.outs[i] = map_tensors(out, torch.Tensor.detach)
         self.losses[i] = loss.detach()
-        if self.in_backward and not pipe.allows_update(loss):  # decided before the owners step in the backward
-            self.skips_update = True  # no backward, no update
+        if self._steps_early() and not self._allows(loss):  # decided before the owners step in the backward
+            self.unrun.add(i)  # no backward, no update
             return
         pipe.backward(ctx, loss)
+
+    def _steps_early(self) -> bool:
+        """Whether an owner will take the step in the backward: M = 1, an owner's name came with the output;
+        M > 1, an owner said so as the step began."""
+        return bool(self.in_backward) if len(self.xs) == 1 else self.in_backward is not None
+
+    def _allows(self, loss: torch.Tensor) -> bool:
+        """Job.nonfinite on a micro-batch's loss, before its backward: once per step (a first non-finite loss
+        skips the update, or raises)."""
+        with self.lock:
+            if self.skips_update:
+                return False
+            self.skips_update = not self.pipe.allows_update(loss)
+            return not self.skips_update
 
     def _gathered_loss(self) -> None:
         """gpipe: the loss of the gathered batch, exact for any loss (a batch-level Dice, a sum), and
@@ -291,6 +311,9 @@ class _MicroBatches:
         if i in self.into:
             self.merged[self.before[i]].wait()
             if pipe.optimizer is not None and not self.errors:
-                ran = not self.gathered or self.roots[i] is not None  # None: its output does not reach the loss
-                pipe.sync.merge(pipe, self.ctx_ids, i, self.into[i], ran)
+                # roots None: its output does not reach the loss; unrun: Job.nonfinite left its backward out
+                ran = (not self.gathered or self.roots[i] is not None) and i not in self.unrun
+                stepped = pipe.sync.merge(pipe, self.ctx_ids, i, self.into[i], ran)
+                if stepped:
+                    self.in_backward = tuple(sorted({*self.in_backward, *stepped}))
         self.merged[i].set()

@@ -30,7 +30,7 @@ def send(pid: int, seq: int, first: str, x: Any, grad: bool, owners: list[str], 
     the failure do not wait for it with later micro-batches. ``alone``: ``seq`` is its step's only
     micro-batch (each stage runs it on the RPC thread that receives it). ``steps``: the owners take the optimizer
     step in its backward where they can, and the future's value is ``(output, the owners that will)`` (see [Note: a
-    step of one micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py).
+    step steps where its gradients are made] in rpcmp/owner/stepping.py).
     """
     served = current()
     awaited = served.inbox

@@ -201,7 +201,7 @@ class _Optimizer(DistributedOptimizer):
 
     def step(self, context_id, stepped=()):
         """The step of context ``context_id`` on every owner but those in ``stepped``, which took it in the
-        backward (see [Note: a step of one micro-batch steps where its gradients are made] in
+        backward (see [Note: a step steps where its gradients are made] in
         rpcmp/owner/stepping.py)."""
         wait_all([rpc.rpc_async(o.owner(), stepping.local_step, args=(o, context_id, self.is_functional_optim))
                   for o in self.remote_optimizers if o.owner().name not in stepped])

@@ -216,8 +216,8 @@ class Pipeline(PipelineState):
 
     @property
     def steps_in_backward(self) -> bool:
-        """Whether owners may take a step of one micro-batch in its backward (see [Note: a step of one micro-batch
-        steps where its gradients are made] in rpcmp/owner/stepping.py)."""
+        """Whether owners may take the optimizer step in the backward (see [Note: a step steps where its gradients
+        are made] in rpcmp/owner/stepping.py)."""
         return (self.optimizer is not None and type(self.sync) is LocalMerge and not self.gradients.needs_norm
                 and not tied.shared_groups(self.specs))
 

@@ -16,12 +16,14 @@ from ..owner import grads, live
 __all__ = ["LocalMerge", "ReplicaReduce"]
 
 
-def _merged(pipe, told: list[str], ctx_ids: list[int], i: int, ran: bool) -> None:
+def _merged(pipe, told: list[str], ctx_ids: list[int], i: int, ran: bool) -> tuple[str, ...]:
     """Micro-batch ``i`` has done its whole backward (``ran``: it had one) and every one before it has
     been merged: say so to the owners that cannot learn it themselves (``told``), and to every owner of
-    parameters for the last micro-batch or one without a backward; return once they have merged it."""
+    parameters for the last micro-batch or one without a backward; return once they have merged it, with the
+    owners that took the optimizer step in the backward (rpcmp/owner/stepping.py)."""
     owners = pipe.param_owners if i == len(ctx_ids) - 1 or not ran else told
-    raise_failures(call_each(owners, grads.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
+    said = raise_failures(call_each(owners, grads.reduce_merged, (pipe.pid, i, ctx_ids[:i + 1])))
+    return tuple(o for o, stepped in zip(owners, said) if stepped is True)
 
 
 class LocalMerge:
@@ -31,15 +33,21 @@ class LocalMerge:
 
     def __init__(self):
         self.told: list[str] = []  # owners told of each micro-batch's end; the others, of the last one's only
+        self.arming: list[str] = []  # owners that will take this step's optimizer step in its backward if they can
 
-    def begin(self, pipe, first_seq: int, count: int) -> None:
+    def begin(self, pipe, first_seq: int, count: int, steps: bool = False) -> None:
+        """``steps``: the owners take the optimizer step in the backward where they can (see [Note: a step steps
+        where its gradients are made] in rpcmp/owner/stepping.py)."""
+        self.told, self.arming = [], []
         if count > 1:
-            told = call_each(pipe.param_owners, grads.begin_merge, (pipe.pid, first_seq, count))
-            self.told = [o for o, needs in zip(pipe.param_owners, told) if needs]
+            said = call_each(pipe.param_owners, grads.begin_merge, (pipe.pid, first_seq, count, steps))
+            self.told = [o for o, (needs, _) in zip(pipe.param_owners, said) if needs]
+            self.arming = [o for o, (_, arms) in zip(pipe.param_owners, said) if arms]
 
-    def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:
-        """Micro-batch ``i``'s gradients are in context ``ctx_ids[into]`` on every owner once this returns."""
-        _merged(pipe, self.told, ctx_ids, i, ran)
+    def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> tuple[str, ...]:
+        """Micro-batch ``i``'s gradients are in context ``ctx_ids[into]`` on every owner once this returns; the
+        owners that took the step in the backward, after the last micro-batch."""
+        return _merged(pipe, self.told, ctx_ids, i, ran)
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         """The loss the step's policy decides on; None: this copy leaves the decision to another."""
@@ -58,7 +66,9 @@ class ReplicaReduce:
         self.reached = False  # this step's gradients are averaged: from here on the optimizer may change the stages
         self.told: list[str] = []  # as LocalMerge's
 
-    def begin(self, pipe, first_seq: int, count: int) -> None:
+    arming = ()  # the copies average every gradient before the step: none is taken in the backward
+
+    def begin(self, pipe, first_seq: int, count: int, steps: bool = False) -> None:
         """The owners learn the step's micro-batches before they arrive (see [Note: the average overlaps
         the backward] in rpcmp/owner/reduce.py)."""
         fn = live.begin if self.mark else grads.begin_reduce
@@ -66,9 +76,9 @@ class ReplicaReduce:
         needs = call_each(owners, fn, (pipe.pid, first_seq, count))
         self.told = [o for o, n in zip(owners, needs) if n and o in pipe.param_owners]
 
-    def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> None:
+    def merge(self, pipe, ctx_ids: list[int], i: int, into: int, ran: bool = True) -> tuple[str, ...]:
         """The owners merge as each backward leaves them and start the average when the last has."""
-        _merged(pipe, self.told, ctx_ids, i, ran)
+        return _merged(pipe, self.told, ctx_ids, i, ran)
 
     def before_step(self, pipe, ctx_id: int, loss: torch.Tensor) -> torch.Tensor | None:
         loss = self.meeting.meet(self.index, loss.detach().float())  # every copy's backward is done

@@ -11,7 +11,7 @@ from ..errors import StageError
 from ..core.failure import Failure
 from ..core.served import current
 from .reduce import StepMerge, StepReduce, drop_beside, param_grads
-from .stepping import needs_word
+from .stepping import needs_word, stepper
 from .stage import StageHost, count_reduce, named_params, running_stats
 
 __all__ = ["begin_merge", "begin_reduce", "reduce_merged", "average_grads", "settle_reduce",
@@ -26,17 +26,22 @@ def _where(host: StageHost) -> str:
     return f"stage {host.spec.index} ({host.spec.name}) on {current().me}"
 
 
-def begin_merge(pid: int, first_seq: int, count: int) -> bool:
+def begin_merge(pid: int, first_seq: int, count: int, steps: bool = False) -> tuple[bool, bool]:
     """A training step of one pipeline begins: its ``count`` micro-batches from ``first_seq`` on, each
-    in its own context; every stage here merges them as their backward leaves it. True: the master
+    in its own context; every stage here merges them as their backward leaves it. First: the master
     must say when each micro-batch's whole backward is done, since a stage here may not learn it
-    itself (see [Note: a pipeline's merges where its gradients are made] in rpcmp/owner/reduce.py)."""
+    itself (see [Note: a pipeline's merges where its gradients are made] in rpcmp/owner/reduce.py).
+    ``steps``: the master asks the owners to take the optimizer step in the backward, after the last merge,
+    where they can; second: this process will (see [Note: a step steps where its gradients are made] in
+    rpcmp/owner/stepping.py)."""
     hosts = current().hosts_of(pid)
+    step = stepper(pid) if steps else None
     for host in hosts:
         params = _trainable(host)
         _drop_last(host)
-        host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts) if params else None
-    return needs_word(hosts)
+        host.reduce = StepMerge(params, _where(host), first_seq, count, hook=not host.posts,
+                                step=step) if params else None
+    return needs_word(hosts), step is not None and any(h.reduce is not None for h in hosts)
 
 
 def _drop_last(host: StageHost) -> None:
@@ -67,13 +72,16 @@ def _stepping(pid: int) -> list[StageHost]:
     return [h for h in current().hosts_of(pid) if h.reduce is not None]
 
 
-def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | None:
-    """The master: micro-batches up to ``upto`` (in ``contexts``) have done their whole backward."""
+def reduce_merged(pid: int, upto: int, contexts: list[int]) -> Failure | bool:
+    """The master: micro-batches up to ``upto`` (in ``contexts``) have done their whole backward. True: this
+    process took the step's optimizer step in the backward (:class:`StepMerge`)."""
+    stepped = False
     for host in _stepping(pid):
         host.reduce.left(upto, contexts)
         if host.reduce.error is not None:
             return Failure.of(str(host.reduce.error), host.reduce.error)
-    return None
+        stepped = stepped or host.reduce.stepped
+    return stepped
 
 
 def average_grads(pid: int, ctx_id: int) -> Failure | None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 import threading
 import time
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -113,8 +114,14 @@ class StepMerge:
     first one's context as each backward leaves the stage, in micro-batch order (see [Note: the
     average overlaps the backward] and [Note: a pipeline's merges where its gradients are made])."""
 
-    def __init__(self, params: dict[str, torch.Tensor], where: str, first_seq: int, count: int, hook: bool):
+    def __init__(self, params: dict[str, torch.Tensor], where: str, first_seq: int, count: int, hook: bool,
+                 step: Callable[[int], None] | None = None):
         self.names, self.params = list(params), list(params.values())
+        # this process's optimizer step on a context's gradients, taken once the last micro-batch's backward has
+        # left the stage and been merged (see [Note: a step steps where its gradients are made] in
+        # rpcmp/owner/stepping.py); None: the master asks for it after the backward
+        self.step, self.stepped = step, False
+        self.worded = False  # the master's word merged a micro-batch whose backward had not left (see _all_merged)
         self._mine = set(self.params)
         self._base: dict | None = None  # the first context's gradients, read once
         self.where = where
@@ -160,6 +167,7 @@ class StepMerge:
                     self.held[upto] = self._grads(upto)
             else:
                 self.contexts.update((i, c) for i, c in enumerate(contexts) if i not in self.contexts)
+                self.worded = self.worded or any(i not in self.done for i in range(upto + 1))
                 self.done.update(range(upto + 1))
             while self.next < self.count and self.next in self.done:
                 if self.next and self.error is None:
@@ -171,6 +179,11 @@ class StepMerge:
 
     def _all_merged(self, by_backward: bool) -> None:
         self.closed = True
+        # Only when every micro-batch's backward left the stage: one the master's word merged may have had none (its
+        # output took no gradient, or Job.nonfinite left its backward out), and the master decides that step.
+        if by_backward and not self.worded and self.step is not None and self.error is None:
+            self.step(self.contexts[0])  # an error raises on the engine's thread: the backward fails with it
+            self.stepped = True
 
     def _grads(self, i: int) -> dict[torch.Tensor, torch.Tensor]:
         if i in self.held:

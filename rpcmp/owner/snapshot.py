@@ -33,6 +33,7 @@ import torch.distributed.rpc as rpc
 
 from ..core.health import reason
 from ..core.served import current
+from . import stepping
 from .move import export_stage, fill_stage
 
 __all__ = ["take", "forget", "reship", "keep", "held", "own_steps", "fetch", "restore"]
@@ -127,6 +128,8 @@ def restore(pid: int, index: int, step: int, rebuilt: bool = False, optim_rref=N
     brought, counters included. ``optim_rref``: this process's local optimizer, which keeps the stage (a
     rollback): its state is written back into it at once."""
     host = current().host(pid, index)
+    if not rebuilt:  # a step the failed one armed here is not taken after this (rpcmp/owner/stepping.py)
+        stepping.cancel(pid)
     fill_stage(host, current().snapshots[(pid, index)][step], f"restoring stage {index} ({host.spec.name}) to step "
                f"{step}", counters=rebuilt, copy=True, optim_rref=optim_rref, rollback=True)
 

@@ -11,20 +11,22 @@ from helpers import run_ranks
 pytestmark = pytest.mark.integration
 
 
-SCHEDULES = [("overlap", 2), ("gpipe", 2), ("overlap", 1)]
+SCHEDULES = [("overlap", 2), ("gpipe", 2), ("overlap", 1), ("overlap", 4)]
 
 
 def _nonfinite(job, world_size):
     out = {}
     x, y = torch.randn(8, 16), torch.randn(8, 8)
     for policy in ("stop", "skip"):
-        for sched, m in SCHEDULES:  # M = 1: the owners would step in the backward (rpcmp/owner/stepping.py)
+        for sched, m in SCHEDULES:  # overlap: the owners would step in the backward (rpcmp/owner/stepping.py)
             job.nonfinite = policy
             pipe = rpcmp.Pipeline(job, world_size, schedule=sched, microbatches=m)
             before = pipe.state_dict()
             try:
                 with pytest.warns(RuntimeWarning) if policy == "skip" else _nothing():
-                    loss = pipe.train_step(x, y * float("nan"))
+                    # samples 2 and 3 only: at M = 4 the backwards before and after the skipped one run, and no
+                    # owner steps
+                    loss = pipe.train_step(x, torch.cat([y[:2], y[2:4] * float("nan"), y[4:]]))
                 result = f"loss {loss.item()}"
             except rpcmp.NonFiniteLossError as exc:
                 result = f"NonFiniteLossError: {exc}"

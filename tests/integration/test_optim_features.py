@@ -23,9 +23,9 @@ SCHEDULED = {"warmup-sgd": (SGD, WARMUP), "onecycle-sgd": (SGD, ONECYCLE), "warm
              "onecycle-adam": ((torch.optim.Adam, {"lr": 0.01}), ONECYCLE)}
 
 
-# A step of one micro-batch: which owners take the optimizer step in its backward (see [Note: a step of one
-# micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py): name -> (Job fields, M, the
-# processes that step in the backward; the others are asked after it)
+# Which owners take the optimizer step in the backward (see [Note: a step steps where its gradients are made] in
+# rpcmp/owner/stepping.py): name -> (Job fields, M, the processes that step in the backward; the others are asked
+# after it)
 ONE_EACH = ["worker1/cpu", "worker2/cpu", "master/cpu"]
 IN_BACKWARD = {
     "m1": ({"placement": ONE_EACH}, 1, {"master", "worker1", "worker2"}),
@@ -33,7 +33,12 @@ IN_BACKWARD = {
     "m1-two-stages-here": ({"placement": ["worker1/cpu", "worker1/cpu", "master/cpu"]}, 1, {"master"}),
     "m1-master-first": ({"placement": ["master/cpu", "worker1/cpu", "worker2/cpu"]}, 1, {"worker1", "worker2"}),
     "m1-clip": ({"placement": ONE_EACH, "clip_grad_norm": 0.05}, 1, set()),
-    "m2": ({"placement": ONE_EACH}, 2, set()),
+    "m2": ({"placement": ONE_EACH}, 2, {"master", "worker1", "worker2"}),
+    "m4-1f1b-two-stages-here": ({"placement": ["worker1/cpu", "worker1/cpu", "master/cpu"], "schedule": "1f1b"}, 4,
+                                {"master"}),
+    "m2-gpipe": ({"placement": ONE_EACH, "schedule": "gpipe"}, 2, set()),
+    "m2-sched": ({"placement": ONE_EACH, "scheduler": WARMUP}, 2, {"master", "worker1", "worker2"}),
+    "m2-clip": ({"placement": ONE_EACH, "clip_grad_norm": 0.05}, 2, set()),
 }
 
 
@@ -151,7 +156,7 @@ def test_accumulation_equals_one_batch_k_times_larger(runs):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", sorted(IN_BACKWARD))
-def test_a_step_of_one_micro_batch_is_taken_by_each_owner_that_can_in_its_backward_once(runs, name):
+def test_a_step_is_taken_by_each_owner_that_can_in_its_backward_once(runs, name):
     fields, _, inside = IN_BACKWARD[name]
     state, taken = runs[name]
     holders = {place.split("/")[0] for place in fields["placement"]}

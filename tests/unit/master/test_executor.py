@@ -23,13 +23,16 @@ class _Recorder(LocalMerge):
 
     def __init__(self, events):
         super().__init__()
-        self.events = events
+        self.events, self.asked = events, set()
 
-    def begin(self, pipe, first_seq, count):
-        pass
+    def begin(self, pipe, first_seq, count, steps=False):
+        self.asked.add(steps)  # whether the owners were asked to step in the backward as the step began (M > 1)
+        self.arming = list(pipe.armed) if steps else []
 
     def merge(self, pipe, ctx_ids, i, into, ran=True):
+        """Those that armed stepped in the backward once the last micro-batch's has left them."""
         self.events.append(("merge", i, into, ctx_ids[into]))
+        return tuple(self.arming) if ran and i == len(ctx_ids) - 1 else ()
 
 
 class FakePipe:
@@ -171,7 +174,7 @@ def test_gpipe_computes_one_loss_on_the_gathered_batch_and_each_backward_starts_
 
 @pytest.mark.parametrize("schedule", ["overlap", "1f1b"])
 def test_a_step_of_one_micro_batch_asks_the_owners_to_step_in_its_backward_and_the_others_after_it(fake, schedule):
-    # see [Note: a step of one micro-batch steps where its gradients are made] in rpcmp/owner/stepping.py
+    # see [Note: a step steps where its gradients are made] in rpcmp/owner/stepping.py
     pipe = fake(2, steps_in_backward=True, armed=("worker1", "master"))
     x, y = _batch(8)
     loss = executor.run_step(pipe, schedule, x, y, 1)
@@ -193,13 +196,43 @@ def test_a_loss_that_skips_its_update_skips_the_backward_the_owners_would_step_i
     torch.testing.assert_close(loss, ((2 * x - y) ** 2).mean())
 
 
-@pytest.mark.parametrize("schedule, m", [("overlap", 4), ("1f1b", 2), ("gpipe", 1)])
-def test_no_owner_steps_in_the_backward_of_several_micro_batches_or_of_a_gathered_loss(fake, schedule, m):
+@pytest.mark.parametrize("schedule, m", [("overlap", 4), ("1f1b", 2)])
+def test_a_step_of_several_micro_batches_asks_the_owners_as_it_begins_and_allows_each_loss_before_its_backward(
+        fake, schedule, m):
+    pipe = fake(2, steps_in_backward=True, armed=("worker1", "master"))
+    x, y = _batch(8)
+    executor.run_step(pipe, schedule, x, y, m)
+    assert pipe.sync.asked == {True} and pipe.asked == {False}  # asked once, not in each forward message
+    kinds = [(e[0], e[1]) if e[0] in ("allows", "backward") else e[0] for e in pipe.events]
+    backward = [k for k, e in enumerate(kinds) if isinstance(e, tuple) and e[0] == "backward"]
+    assert len(backward) == m and kinds.count("step") == 1 and kinds[-1] == "step"
+    assert sum(1 for e in pipe.events if e[0] == "allows") == m  # every loss, each before its own backward
+    assert all(pipe.events[k - 1][0] == "allows" or pipe.events[k - 1][0] in ("enter", "merge", "backward")
+               for k in backward)
+    assert pipe.events[-1][3] == ("master", "worker1")  # the master asks the others only
+    # none armed: the step as before, the loss checked by apply_step
+    pipe = fake(2, steps_in_backward=True, armed=())
+    executor.run_step(pipe, schedule, x, y, m)
+    assert "allows" not in [e[0] for e in pipe.events] and pipe.events[-1][0] == "step" and pipe.events[-1][3] == ()
+
+
+def test_a_non_finite_loss_of_one_micro_batch_skips_its_backward_and_the_update(fake):
+    pipe = fake(2, steps_in_backward=True, armed=("worker1",), allows=False)
+    x, y = _batch(8)
+    executor.run_step(pipe, "overlap", x, y, 4)
+    kinds = [e[0] for e in pipe.events]
+    assert kinds.count("allows") == 1  # decided once a step
+    assert "backward" not in kinds  # every loss non-finite: none has a backward
+    assert "step" not in kinds and kinds.count("merge") == 3  # every merge said, none stepped
+
+
+@pytest.mark.parametrize("schedule, m", [("gpipe", 1), ("gpipe", 4)])
+def test_no_owner_steps_in_the_backward_of_a_gathered_loss(fake, schedule, m):
     pipe = fake(2, steps_in_backward=True)
     x, y = _batch(8)
     executor.run_step(pipe, schedule, x, y, m)
     steps = [e for e in pipe.events if e[0] == "step"]
-    assert pipe.asked == {False} and "allows" not in [e[0] for e in pipe.events]
+    assert pipe.asked == {False} and pipe.sync.asked == {False} and "allows" not in [e[0] for e in pipe.events]
     assert len(steps) == 1 and steps[0][3] == ()
 
 
