@@ -102,7 +102,7 @@ class FakePipe:
         return out
 
     def allows_update(self, loss):
-        self.events.append(("allows", loss.item()))
+        self.events.append(("allows", loss.item(), getattr(self.local, "i", None)))
         return self.allows
 
     def apply_step(self, ctx_id, loss, stepped=()):
@@ -203,12 +203,11 @@ def test_a_step_of_several_micro_batches_asks_the_owners_as_it_begins_and_allows
     x, y = _batch(8)
     executor.run_step(pipe, schedule, x, y, m)
     assert pipe.sync.asked == {True} and pipe.asked == {False}  # asked once, not in each forward message
-    kinds = [(e[0], e[1]) if e[0] in ("allows", "backward") else e[0] for e in pipe.events]
-    backward = [k for k, e in enumerate(kinds) if isinstance(e, tuple) and e[0] == "backward"]
-    assert len(backward) == m and kinds.count("step") == 1 and kinds[-1] == "step"
-    assert sum(1 for e in pipe.events if e[0] == "allows") == m  # every loss, each before its own backward
-    assert all(pipe.events[k - 1][0] == "allows" or pipe.events[k - 1][0] in ("enter", "merge", "backward")
-               for k in backward)
+    kinds = [e[0] for e in pipe.events]
+    assert kinds.count("backward") == kinds.count("allows") == m and kinds.count("step") == 1 and kinds[-1] == "step"
+    for i in range(m):  # every loss allowed before its own backward
+        allowed = next(k for k, e in enumerate(pipe.events) if e[0] == "allows" and e[2] == i)
+        assert allowed < pipe.events.index(("backward", i)), pipe.events
     assert pipe.events[-1][3] == ("master", "worker1")  # the master asks the others only
     # none armed: the step as before, the loss checked by apply_step
     pipe = fake(2, steps_in_backward=True, armed=())
