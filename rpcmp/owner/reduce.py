@@ -181,8 +181,9 @@ class StepMerge:
         self.closed = True
         # Only when every micro-batch's backward left the stage: one the master's word merged may have had none (its
         # output took no gradient, or Job.nonfinite left its backward out), and the master decides that step.
-        if by_backward and not self.worded and self.step is not None and self.error is None:
-            self.step(self.contexts[0])  # an error raises on the engine's thread: the backward fails with it
+        step, self.step = self.step, None  # nor kept after: it holds the local optimizer
+        if by_backward and not self.worded and step is not None and self.error is None:
+            step(self.contexts[0])  # an error raises on the engine's thread: the backward fails with it
             self.stepped = True
 
     def _grads(self, i: int) -> dict[torch.Tensor, torch.Tensor]:

@@ -111,7 +111,7 @@ def stepper(pid: int) -> Callable[[int], None] | None:
     a no-op, or waits for one being taken, so that the snapshot's values are the stage's."""
     served = current()
     local, hosts = served.optimizers.get(pid), served.hosts_of(pid)
-    if local is None or needs_word(hosts) or hosts[0].device.type != "cpu":  # needs_word: one host
+    if local is None or not hosts or needs_word(hosts) or hosts[0].device.type != "cpu":  # needs_word: one host
         return None
     gate = served.step_gates.setdefault(pid, _Gate())
     era = gate.era
