@@ -25,6 +25,7 @@ import os
 import sys
 import time
 
+import click
 import torch
 import torch.nn.functional as F
 import transformers as T
@@ -228,24 +229,27 @@ def check(family: str, schedule: str = "gpipe", microbatches: int = 4) -> str:
     return "failed: " + (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--one"]:
+@click.command()
+@click.argument("names", nargs=-1)
+@click.option("--schedule", type=click.Choice(["gpipe", "overlap", "1f1b"]), default="gpipe", show_default=True)
+@click.option("--microbatches", type=int, default=4, show_default=True)
+@click.option("--one", is_flag=True, hidden=True, help="this process runs FAMILY's comparison (check's subprocess)")
+def main(names, schedule, microbatches, one):
+    """Check each family in NAMES (every one by default) against the unsplit model."""
+    if one:
         print("RESULT " + _compare(), flush=True)
-        sys.exit(0)
-    args, options = sys.argv[1:], {"--schedule": "gpipe", "--microbatches": "4"}
-    for flag in options:
-        if flag in args:
-            k = args.index(flag)
-            options[flag] = args[k + 1]
-            del args[k:k + 2]
-    names = args or list(FAMILIES)
+        return
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
-        sys.exit(f"unknown families {unknown}; known: {', '.join(FAMILIES)}")
+        raise click.BadParameter(f"unknown families {unknown}; known: {', '.join(FAMILIES)}", param_hint="NAMES")
     bad = 0
-    for name in names:
+    for name in names or list(FAMILIES):
         start = time.time()
-        result = check(name, options["--schedule"], int(options["--microbatches"]))
+        result = check(name, schedule, microbatches)
         bad += result != "equal"
         print(f"{name:10s} {result}  ({time.time() - start:.0f} s)", flush=True)
     sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -133,10 +133,11 @@ class _MicroBatches:
         self.gathered = plan.loss is Loss.GATHERED
         # The owners take the optimizer step in the backward, where the pipeline lets them (see [Note: a step steps
         # where its gradients are made] in rpcmp/owner/stepping.py): the master asks them in the forward message
-        # (M = 1) or as the step begins (sync.begin). in_backward: the owners that will, or did; None: the master asks
-        # every owner after the backward (M = 1: the names come with the output; M > 1: with the last merge).
+        # (M = 1) or as the step begins (sync.begin). in_backward: the owners that take it there (M = 1: their names
+        # come with the output; M > 1: with the last merge); the master asks the others after the backward.
         self.asks = not self.gathered and pipe.steps_in_backward
-        self.in_backward = () if m == 1 and self.asks else None
+        self.in_backward: tuple[str, ...] = ()
+        self.checks_first = False  # an owner may step in the backward: each loss is allowed before its backward
         self.skips_update = False  # Job.nonfinite skips this step's update, decided before a backward
         self.unrun: set[int] = set()  # micro-batches whose backward that decision left out
         # kept once for check_mean_loss (a loss per micro-batch), or for the loss on the gathered batch
@@ -151,8 +152,7 @@ class _MicroBatches:
         pipe = self.pipe
         if pipe.optimizer is not None:
             pipe.sync.begin(pipe, self.seqs[0], len(self.xs), steps=self.asks and len(self.xs) > 1)
-            if len(self.xs) > 1 and pipe.sync.arming:
-                self.in_backward = ()
+            self.checks_first = len(self.xs) > 1 and bool(pipe.sync.arming)
         if len(self.xs) == 1:
             self._alone()
         else:
@@ -180,7 +180,7 @@ class _MicroBatches:
                 self.errors.append((0, exc))
                 return
             if not self.skips_update:
-                self.pipe.apply_step(ctx, self._total(), self.in_backward or ())
+                self.pipe.apply_step(ctx, self._total(), self.in_backward)
 
     def _threaded(self) -> None:
         """Each micro-batch on a thread of its own, entering when the plan says; this thread takes the
@@ -197,7 +197,7 @@ class _MicroBatches:
             # Not under the except above: a copy whose meeting with the others broke (Job(replicas=R): another
             # copy failed) did not take the step, and must not return as if it had.
             if not self.skips_update:
-                pipe.apply_step(self.ctx_ids[0], self._total(), self.in_backward or ())
+                pipe.apply_step(self.ctx_ids[0], self._total(), self.in_backward)
         finally:
             self.stepped.set()
             for f in futs:
@@ -243,11 +243,12 @@ class _MicroBatches:
 
     def _forward_backward(self, i: int, ctx: int) -> None:
         pipe = self.pipe
-        early = self.in_backward is not None and len(self.xs) == 1  # M > 1: the owners were asked as the step began
+        early = self.asks and len(self.xs) == 1  # M > 1: the owners were asked as the step began
         out = inbox.send(pipe.pid, self.seqs[i], pipe.places[0].process, self.xs[i], True, pipe.owners,
                          len(self.xs) == 1, early).wait()
         if early:
             out, self.in_backward = out
+            self.checks_first = bool(self.in_backward)
         out = pipe.to_fp32(out)
         if self.gathered:
             self.outs[i] = out
@@ -261,15 +262,10 @@ class _MicroBatches:
         if self.outs is not None:
             self.outs[i] = map_tensors(out, torch.Tensor.detach)
         self.losses[i] = loss.detach()
-        if self._steps_early() and not self._allows(loss):  # decided before the owners step in the backward
+        if self.checks_first and not self._allows(loss):  # decided before the owners step in the backward
             self.unrun.add(i)  # no backward, no update
             return
         pipe.backward(ctx, loss)
-
-    def _steps_early(self) -> bool:
-        """Whether an owner will take the step in the backward: M = 1, an owner's name came with the output;
-        M > 1, an owner said so as the step began."""
-        return bool(self.in_backward) if len(self.xs) == 1 else self.in_backward is not None
 
     def _allows(self, loss: torch.Tensor) -> bool:
         """Job.nonfinite on a micro-batch's loss, before its backward: once per step (a first non-finite loss
