@@ -23,6 +23,9 @@ reached the buddy (in the first step, or stopped while it copied) leaves no copy
 the start of a run not resumed they hold what a build from the job's seed makes, so the spare builds
 them from the seed (as when an owner is lost while the stages build: rpcmp/master/building.py), the
 others roll back to their own copies of the start, and the spare then snapshots its stages for its buddy.
+At the start of a resumed run they hold the checkpoint it resumed from, the run's last
+(``RunStatus.checkpoint``): they are rebuilt from it, as without snapshots; so too when an owner is lost
+while the stages read it (``load_state`` in rpcmp/train/engine.py).
 
 The copies the lost process kept for its neighbours are sent again, to their new buddy, once the
 first step after the recovery has ended, not beside it: for the demo Unet that is the encoder
@@ -34,9 +37,11 @@ A spare lost while it takes over (its build or its copy fails, and it no longer 
 one more lost process: the next spare does 1. to 3. again, the survivors rolling back to
 the same state again; a spare already routed to is then the lost owner.
 
-Everything happens in the processes that are up: no process restarts, nothing is read from
-disk. Without a spare, with a second lost owner, or before the first snapshot, the step's
-error stands and the run ends as it always did (exit 1, naming the checkpoint to resume from).
+Everything happens in the processes that are up: no process restarts, and nothing is read from
+disk but a checkpoint (without snapshots, or as a resumed run starts). Without a spare, with a
+second lost owner, or with neither a snapshot nor a checkpoint of the run that holds the lost
+stages, the step's error stands and the run ends as it always did (exit 1, naming the
+checkpoint to resume from).
 A lost master ends the run: the spares wait for a master, they cannot become one.
 """
 from __future__ import annotations
@@ -173,6 +178,15 @@ class Snapshots:
         self.forgetting = [rpc.rpc_async(o, snapshot.forget, args=(self.pipe.pid, below)) for o in owners]
         for old in [s for s in self.kept if s < below]:
             del self.kept[old]
+
+    def load(self, ckpt: dict) -> str | None:
+        """A resumed run's stages read checkpoint ``ckpt``, each owner its own keys; an owner lost meanwhile is
+        replaced from it as in a step (every stage reads it again, the generators too): the line that says so."""
+        try:
+            self.pipe.load_files(ckpt["files"])
+        except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
+            return self.recover(exc, (ckpt["step"], ckpt["epoch"], ckpt["next_batch"]), in_step=False).line
+        return None
 
     def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
                 redo: str = "", first: tuple[float, str] | None = None) -> RolledBack:

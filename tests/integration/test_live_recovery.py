@@ -229,6 +229,40 @@ def test_an_owner_lost_before_its_copy_of_the_start_reached_its_buddy_is_rebuilt
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("at", ["load_files", "take"], ids=["loading-the-checkpoint", "copying-the-start"])
+def test_an_owner_lost_as_a_resumed_run_starts_is_rebuilt_from_the_checkpoint_it_resumed(tmp_path, uninterrupted, at):
+    """A run of 30 steps, then --resume to 60, where worker2 waits as it reads its part of the checkpoint, or as it
+    snapshots its stage at the start (tests/jobs/slow_spare.py), and is killed there. No snapshot holds its stage yet
+    (a resumed run's start is not what the seed builds); the checkpoint it resumed from does, and the run ends as an
+    uninterrupted one (it ended: "no snapshot holds the lost stages ... and no checkpoint of this run")."""
+    first = run_command(*_command(tmp_path / "run", "--spares", "1", steps=30))
+    assert first.returncode == 0, first.stdout + first.stderr
+    waiting = str(tmp_path / "waiting")
+    code, out = _run_and_hit(tmp_path / "run", [(waiting, "worker2", signal.SIGKILL)], "--spares", "1", "--resume",
+                             job="slow_spare", env={"SLOW_BUILD_ON": "worker2", "BUILDING": waiting, "SLOW_AT": at})
+    assert code == 0, out
+    assert out.count("recovered: worker2 was lost") == 1, out
+    assert "stage 1 (layers[2:4]) rebuilt on worker4 from the checkpoint of step 30 (" in out, out
+    assert "random number generators start afresh" not in out, out  # the spare draws as worker2 would have
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == STEPS
+    assert_close_f32(got["model"], uninterrupted["model"])
+
+
+@pytest.mark.timeout(300)
+def test_without_a_spare_an_owner_lost_as_a_resumed_run_loads_names_the_checkpoint_to_resume_from(tmp_path):
+    """It said "No checkpoint was written in DIR yet" of the folder it had just resumed from."""
+    first = run_command(*_command(tmp_path / "run", steps=30, local=4))
+    assert first.returncode == 0, first.stdout + first.stderr
+    waiting = str(tmp_path / "waiting")
+    code, out = _run_and_hit(tmp_path / "run", [(waiting, "worker2", signal.SIGKILL)], "--resume", local=4,
+                             job="slow_spare", env={"SLOW_BUILD_ON": "worker2", "BUILDING": waiting, "SLOW_AT": "load_files"})
+    assert code == 1 and "recovered" not in out, out
+    assert re.search(r"before the first step: worker2 \(stage 1 layers\[2:4\]\) stopped answering .* The last checkpoint "
+                     r"is \S+step-00000030\.\w+\.pt: rerun with --resume to continue from it", out.replace("\n", "")), out
+
+
+@pytest.mark.timeout(300)
 def test_without_a_spare_a_lost_owner_ends_the_run_as_before(tmp_path):
     code, out = _run_and_hit(tmp_path / "run", [(5, "worker2", signal.SIGKILL)], "--local", "4")
     assert code == 1, out

@@ -1,10 +1,11 @@
 """tests/jobs/three.py (or the job ``SLOW_SPARE_OF`` names: ``replicated_dies``) where the process ``SLOW_BUILD_ON``
 names (in the environment; unset: none), once asked to build a stage (or, with ``SLOW_AT=restore``, to take a
 snapshot's values into it; ``take``: to snapshot its stages; ``remove_incomplete``: to clear an interrupted save, at
-the start; ``take_stage``: a live copy's; ``adopt_optimizer``, ``set_routes``: the last calls of a move, after the
-stage came; ``gather_stage``: a re-cut's new part taking its tensors), writes its process id to the file ``BUILDING``
-names and sleeps ``SLOW_S`` seconds (60 unless set) first: a test kills a spare while it takes over a lost owner's
-stage, or a drained one's, or kills another process meanwhile."""
+the start; ``load_files``: to read its part of the checkpoint a resumed run starts from; ``take_stage``: a live
+copy's; ``adopt_optimizer``, ``set_routes``: the last calls of a move, after the stage came; ``gather_stage``: a
+re-cut's new part taking its tensors), writes its process id to the file ``BUILDING`` names and sleeps ``SLOW_S``
+seconds (60 unless set) first: a test kills a spare while it takes over a lost owner's stage, or a drained one's, or
+kills another process meanwhile."""
 import importlib
 import os
 import time
@@ -19,7 +20,7 @@ job = importlib.import_module(os.environ.get("SLOW_SPARE_OF", "three")).job
 
 SLOW_ON = os.environ.get("SLOW_BUILD_ON")
 NAME = os.environ.get("SLOW_AT", "build")
-MODULE = {"build": stage, "restore": snapshot, "take": snapshot, "remove_incomplete": state}.get(NAME, move)
+MODULE = {"build": stage, "restore": snapshot, "take": snapshot, "remove_incomplete": state, "load_files": state}.get(NAME, move)
 _real = getattr(MODULE, NAME)
 
 
