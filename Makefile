@@ -39,9 +39,9 @@ test: install bytecode
 	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 # The in-process tests alone (no launched processes; tests/unit mirrors rpcmp/ package by package),
-# without the ones that trace a real model (marked `model`, run by `make test`): under a minute.
+# without the ones that trace a real model (marked `model`, run by `make test`), on every core: about a minute.
 unit: install bytecode
-	$(PY) -m pytest -q -m "not model" tests/unit rpcmp
+	$(PY) -m pytest -q -n auto -m "not model" tests/unit rpcmp
 
 bench: install bytecode
 	$(PY) benchmarks/bench.py
