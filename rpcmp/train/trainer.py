@@ -347,14 +347,14 @@ def _resume(job, pipe, console: Console, run: str | None = None) -> tuple[int, i
     if ckpt["optimizer"]["class"] != cls.__name__:
         raise CheckpointError(f"checkpoint {ckpt['path']} holds {ckpt['optimizer']['class']} state but the job uses "
                               f"{cls.__name__}: use the same optimizer, or start without --resume")
+    # first: an owner lost while the stages read the checkpoint gives its spare the generators it had
+    rng = pipe.load_rng_state(ckpt.get("rng")) if ckpt["mode"] == pipe.mode else False
     pipe.status.checkpoint = ckpt["path"]  # what a lost owner's stages are rebuilt from until a snapshot holds them
     recovered = pipe.load_state(ckpt)  # a line: an owner lost while it read its part was replaced (spares)
     if recovered:
         console.print(recovered, soft_wrap=True)
     if pipe.scheduler is not None and ckpt.get("scheduler"):
         pipe.load_scheduler_state(ckpt["scheduler"])
-    # a recovery set every process's generators, the spare's to the lost one's (the stages' places changed since)
-    rng = bool(recovered) or (pipe.load_rng_state(ckpt.get("rng")) if ckpt["mode"] == pipe.mode else False)
     if ckpt.get("loss_scale") and pipe.loss_scale:
         pipe.loss_scale = ckpt["loss_scale"]
     run = ckpt.get("run")
