@@ -269,7 +269,7 @@ class PipelineEngine:
         return {"parts": self.pipe.save_stage_files(directory, step, keep_last, run), "optimizer": {}}
 
     def load_state(self, ckpt: dict) -> str | None:  # each owner reads its own keys; spares: a lost one is replaced
-        return self.snapshots.load(ckpt) if self.snapshots is not None else self.pipe.load_files(ckpt["files"])
+        return (self.snapshots or self.live).load(ckpt) if self.spares else self.pipe.load_files(ckpt["files"])
 
     @property
     def scheduler(self):

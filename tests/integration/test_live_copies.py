@@ -82,6 +82,27 @@ def test_a_spare_lost_while_it_takes_over_a_copy_s_stage_is_replaced_by_the_next
 
 
 @pytest.mark.timeout(300)
+def test_an_owner_lost_while_a_resumed_run_reads_its_checkpoint_is_rebuilt_from_the_live_copy(tmp_path,
+                                                                                             replicated_clean):
+    """20 steps, then --resume to 40, where worker1 (replica 0's stage 0, with dropout) waits as it reads its part of
+    the checkpoint (tests/jobs/slow_spare.py) and is killed there: the spare takes the stage, and its process's
+    generators, from the other copy, which read the checkpoint; the model is the uninterrupted run's (it ended:
+    "before the first step: worker1 ... stopped answering")."""
+    first = run_command(*_command(tmp_path / "run", *REPLICATED[:-1], "20", job="replicated_dies"), timeout=240)
+    assert first.returncode == 0, first.stdout + first.stderr
+    waiting = str(tmp_path / "waiting")
+    code, out = _run_and_hit(tmp_path / "run", [(waiting, "worker1", signal.SIGKILL)], *REPLICATED, "--resume",
+                             job="slow_spare", env={"SLOW_SPARE_OF": "replicated_dies", "SLOW_BUILD_ON": "worker1",
+                                                    "BUILDING": waiting, "SLOW_AT": "load_files"})
+    assert code == 0, out
+    assert out.count("recovered: worker1 was lost") == 1 and "rebuilt on worker5 from the live copy on worker2" in out, out
+    assert "no step lost (the checkpoint read as the run resumed)" in out, out
+    got = load_checkpoint(str(tmp_path / "run"))
+    assert got["step"] == 40
+    assert_close_f32(got["model"], load_checkpoint(str(replicated_clean))["model"])
+
+
+@pytest.mark.timeout(300)
 def test_a_copy_that_fails_before_the_copies_meet_leaves_no_other_copy_counting_the_step_as_taken(tmp_path):
     """Two copies of three stages (SGD with momentum, M=4) and a spare; copy 1's first owner is SIGKILLed as step
     11 starts, while copy 0 computes or waits to meet it. Copy 0's meeting breaks, and it used to return as if it
