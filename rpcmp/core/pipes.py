@@ -14,18 +14,30 @@ So each process, once it has joined the RPC world, opens a pipe to every process
 process makes to itself by RPC goes through its own listener: a re-cut's gather of a stage it keeps), with a
 no-op call each, all at once, waited for: about 50 ms for 8 processes and 160 ms for 16, seven file
 descriptors per pair, as a gloo group connects every pair of ranks when it forms. Later, a loss or a stray connection meets pipes that
-are open; the pipes to a lost process close with it, and nobody connects to it again. Not covered: a
-connection that breaks off while the world forms (the first second of a run).
+are open; the pipes to a lost process close with it, and nobody connects to it again.
+
+A connection that breaks off while the world forms (its first second) can stop a listener before every
+pipe to that process is open. The run cannot go on then (nobody can open the missing pipes), and it used to
+end at the first call that needed one, with a bare "ECONNREFUSED" traceback. A refused pipe reads the same
+whether its process is alive with its listener stopped or dead (a dead one is the spares' to replace: see
+[Note: an owner lost while the stages build] in rpcmp/master/building.py). So each process, its pipes
+opened, writes to the launch's store which processes refused it (:func:`say_refused`), and the master
+(:func:`check_refused`) ends the run before anything is built when a process that wrote was refused by
+another: saying which, why, and to run it again.
 """
 from __future__ import annotations
 
 import resource
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed.rpc as rpc
 
-__all__ = ["open_pipes"]
+from ..errors import NetworkError
+from .store import launch_store
+
+__all__ = ["open_pipes", "say_refused", "check_refused"]
 
 _FDS_PER_PEER = 8  # measured: about 7 per pair in a process (its pipe to the peer and the peer's to it)
 
@@ -34,16 +46,68 @@ def _nothing() -> None:
     return None
 
 
-def open_pipes(processes: list[str], timeout: float = 20.0) -> None:
+def open_pipes(processes: list[str], timeout: float = 20.0) -> list[str]:
     """Open a pipe from this process to each of ``processes``, itself included (a call it makes to itself by RPC
     goes through one too), waiting at most ``timeout`` seconds in all (see [Note: pipes opened before a peer can die
-    mid-handshake]). A call that fails or does not answer is not this one's to report: the call that needs that
-    process finds it lost."""
+    mid-handshake]); the processes that refused the connection. A call that fails otherwise or does not answer is
+    not this one's to report: the call that needs that process finds it lost."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 256 + _FDS_PER_PEER * len(processes)
     if soft != resource.RLIM_INFINITY and soft < need:  # 1024 by default: about 100 peers
         resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
     done = threading.Event()
-    torch.futures.collect_all([rpc.rpc_async(p, _nothing, timeout=timeout) for p in processes]).add_done_callback(
-        lambda _: done.set())
+    calls = [rpc.rpc_async(p, _nothing, timeout=timeout) for p in processes]
+    torch.futures.collect_all(calls).add_done_callback(lambda _: done.set())
     done.wait(timeout)
+    return [p for p, call in zip(processes, calls) if call.done() and _refused(call)]
+
+
+def _refused(call: torch.futures.Future) -> bool:
+    try:
+        call.wait()
+    except Exception as exc:  # noqa: BLE001 - only a refused connection is looked at
+        return "ECONNREFUSED" in str(exc)
+    return False
+
+
+def _answers(process: str) -> bool:
+    """Whether ``process`` is running (died since it said it opened its pipes: the spares' to replace), asked over
+    this process's pipe to it; one this process has none to counts as not."""
+    try:
+        rpc.rpc_sync(process, _nothing, timeout=3.0)
+    except Exception:  # noqa: BLE001 - not answering, whatever the reason
+        return False
+    return True
+
+
+def _key(attempt: int, name: str) -> str:
+    return f"rpcmp/refused/{attempt}/{name}"
+
+
+def say_refused(attempt: int, me: str, refused: list[str]) -> None:
+    """Write to the launch's store that ``me`` has opened its pipes, and which processes refused it."""
+    launch_store(60).set(_key(attempt, me), ",".join(refused))
+
+
+def check_refused(attempt: int, processes: list[str], timeout: float = 10.0) -> None:
+    """On the master, once its own pipes are open: raise :class:`NetworkError` when a process that opened its pipes
+    was refused by another and answers this one (its listener stopped as the world formed; see the Note above). A
+    process that has not said so within ``timeout`` seconds, or does not answer, is lost or hung: the stages' build
+    meets it (with spares, replaces it)."""
+    store = launch_store(timeout)
+    keys = [_key(attempt, p) for p in processes]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except Exception:  # noqa: BLE001 - one never said it: judged on those that did
+        pass
+    said = {p: store.get(k).decode() for p, k in zip(processes, keys) if store.check([k])}
+    me = rpc.get_worker_info().name
+    pairs = [(p, q) for p, refused in said.items() for q in refused.split(",") if q in said and (q == me or _answers(q))]
+    if pairs:
+        where = "; ".join(f"{p} could not connect to {'itself' if q == p else q}" for p, q in pairs)
+        raise NetworkError(
+            f"the run's processes could not all connect as it started ({where}, connection refused), although "
+            f"{', '.join(sorted({q for _, q in pairs}))} is running: TensorPipe stops listening for good when a "
+            f"connection to it closes before its first message, so something reached that port and left while the run "
+            f"started (a port scan, a health probe, a process that died while it connected). Nothing was built or "
+            f"trained: run it again; if this recurs, keep scanners and probes off the run's ports")

@@ -25,7 +25,7 @@ from ..core.health import Watchdog
 from ..core.stall import Stalls
 from ..job import Job, load_job
 from ..core.store import launch_store
-from ..core.pipes import open_pipes
+from ..core.pipes import check_refused, open_pipes, say_refused
 from .network import preflight
 from ..plan.placement import device_maps_for, process_name
 from ..plan.topology import Topology
@@ -236,6 +236,8 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     topology = _join_rpc(job, rank, world_size, served, attempt, env)
     result, error, watchdog = None, None, None
     try:
+        if rank == 0:  # every pipe is open, or the run ends here: see rpcmp/core/pipes.py
+            check_refused(attempt, [process_name(r) for r in range(world_size)])
         if topology.replicated:
             join_stage_groups(topology, rank, job.hang_timeout, served, attempt)  # see [Note: replicas of a pipeline]
         if rank == 0 and main is not None:
@@ -275,7 +277,7 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
         options.set_device_map(peer, mapping)
         served.device_maps.setdefault(peer, {}).update(mapping)
     rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
-    open_pipes([process_name(r) for r in range(world_size)])  # see rpcmp/core/pipes.py
+    say_refused(attempt, process_name(rank), open_pipes([process_name(r) for r in range(world_size)]))  # core/pipes.py
     return topology
 
 

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from helpers import fit_steps, job_path
+from helpers import fit_steps, job_path, run_command
 
 pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -104,6 +104,19 @@ def test_unreachable_master_reports_the_time_waited():
                    "--connect-timeout", "3")
     assert proc.returncode == 1 and time.monotonic() - start < 30
     assert re.search(r"the master at 127.0.0.1:\d+ is unreachable: waited [34]s", proc.stderr), proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_listener_stopped_as_the_run_starts_ends_it_there_saying_why():
+    """A connection that reaches worker2's RPC port and closes at once, as the run starts (tests/jobs/stray_connection.py,
+    before the others open their pipes to it), stops its listener (TensorPipe's): the run cannot go on. It ended at the
+    first held-out evaluation with a bare "RuntimeError: ECONNREFUSED" traceback."""
+    done = run_command("run", job_path("stray_connection"), "--local", "3", "--max-steps", "3",
+                       env={**os.environ, "STRAY_ON": "worker2"}, timeout=100)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "error: NetworkError: the run's processes could not all connect as it started (worker1 could not connect to " \
+           "worker2" in done.stderr and "although worker2 is running" in done.stderr, done.stderr
+    assert "Nothing was built or trained: run it again" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.timeout(60)
