@@ -23,7 +23,8 @@ whether its process is alive with its listener stopped or dead (a dead one is th
 [Note: an owner lost while the stages build] in rpcmp/master/building.py). So each process, its pipes
 opened, writes to the launch's store which processes refused it (:func:`say_refused`), and the master
 (:func:`check_refused`) ends the run before anything is built when a process that wrote was refused by
-another: saying which, why, and to run it again.
+another: saying which, why, and to run it again. A refusal inside ``init_rpc`` itself, which torch reports as "timed
+out in _all_gather after 1800 seconds" at once, is said the same way (rpcmp/launch/runtime.py, ``_init_rpc``).
 """
 from __future__ import annotations
 

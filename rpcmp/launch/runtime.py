@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.rpc as rpc
 
-from ..errors import RunAbortedError
+from ..errors import NetworkError, RunAbortedError
 from ..core.health import Watchdog
 from ..core.stall import Stalls
 from ..job import Job, load_job
@@ -276,9 +276,24 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
                           for p, m in device_maps_for(places, process_name(rank)).items()):
         options.set_device_map(peer, mapping)
         served.device_maps.setdefault(peer, {}).update(mapping)
-    rpc.init_rpc(process_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+    _init_rpc(process_name(rank), rank, world_size, options)
     say_refused(attempt, process_name(rank), open_pipes([process_name(r) for r in range(world_size)]))  # core/pipes.py
     return topology
+
+
+def _init_rpc(name: str, rank: int, world_size: int, options) -> None:
+    """``rpc.init_rpc``; a connection refused while the world forms is said as what it is (see rpcmp/core/pipes.py),
+    not as torch's "timed out in _all_gather after 1800 seconds", which it reports at once."""
+    try:
+        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    except RuntimeError as exc:
+        if "ECONNREFUSED" not in str(exc):
+            raise
+        raise NetworkError(
+            f"the run's processes could not all connect as it started ({name}: {str(exc).splitlines()[0][:300]}): a "
+            f"process refused a connection, because it died while the run started, or because something reached its "
+            f"RPC port and left (a port scan, a health probe: TensorPipe then stops listening for good). Nothing was "
+            f"built or trained: run it again; if this recurs, keep scanners and probes off the run's ports") from None
 
 
 def _run_ddp_rank(job: Job, rank: int, world_size: int, main, local_rank: int | None) -> Any:

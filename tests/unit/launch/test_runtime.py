@@ -61,6 +61,28 @@ def test_a_worker_serves_until_the_master_says_so_or_stops_answering(monkeypatch
     assert served.told.is_set() and time.monotonic() - start >= 0.25 and len(pings) >= 5
 
 
+def test_a_connection_refused_as_the_world_forms_is_said_as_such_not_as_a_half_hour_timeout(monkeypatch):
+    """torch's init_rpc reports a peer that refused a connection as "timed out in _all_gather after 1800.00 seconds"
+    at once (seen with a stray connection on a worker's port as the run started); other errors go through as they are."""
+    from rpcmp.errors import NetworkError
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Followers ['worker1'] timed out in _all_gather after 1800.00 seconds. The first exception "
+                           "is ECONNREFUSED: connection refused (this error originated at tensorpipe/transport/uv/...)")
+    monkeypatch.setattr(runtime.rpc, "init_rpc", refused)
+    with pytest.raises(NetworkError, match=r"could not all connect as it started \(master: Followers \['worker1'\] .* "
+                                           r"ECONNREFUSED.*run it again") as caught:
+        runtime._init_rpc("master", 0, 3, None)
+    assert caught.value.__cause__ is None and "died while the run started" in str(caught.value)
+
+    def other(*args, **kwargs):
+        raise RuntimeError("Address already in use")
+    monkeypatch.setattr(runtime.rpc, "init_rpc", other)
+    with pytest.raises(RuntimeError, match="Address already in use") as caught:
+        runtime._init_rpc("master", 0, 3, None)
+    assert not isinstance(caught.value, NetworkError)
+
+
 def test_a_muted_end_drops_native_writes_to_stderr_but_not_python_s_and_puts_both_back(capfd, monkeypatch):
     monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
     with ending.native_log_muted():
