@@ -21,24 +21,24 @@ pipe to that process is open. The run cannot go on then (nobody can open the mis
 end at the first call that needed one, with a bare "ECONNREFUSED" traceback. A refused pipe reads the same
 whether its process is alive with its listener stopped or dead (a dead one is the spares' to replace: see
 [Note: an owner lost while the stages build] in rpcmp/master/building.py). So each process, its pipes
-opened, writes to the launch's store which processes refused it (:func:`say_refused`), and the master
-(:func:`check_refused`) ends the run before anything is built when a process that wrote was refused by
-another: saying which, why, and to run it again. A refusal inside ``init_rpc`` itself, which torch reports as "timed
+opened, keeps which processes refused it, and the master asks every process for its list over its own
+pipe, opened as ``init_rpc`` gathered the world (:func:`check_refused`); it ends the run before anything is
+built when a process that answers was refused by another: saying which, why, and to run it again. A process
+that does not answer (dead or hung) is not judged: the stages' build meets it. A refusal inside ``init_rpc`` itself, which torch reports as "timed
 out in _all_gather after 1800 seconds" at once, is said the same way (rpcmp/launch/runtime.py, ``_init_rpc``).
 """
 from __future__ import annotations
 
 import resource
 import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed.rpc as rpc
 
 from ..errors import NetworkError
-from .store import launch_store
+from .served import current
 
-__all__ = ["open_pipes", "say_refused", "check_refused"]
+__all__ = ["open_pipes", "check_refused"]
 
 _FDS_PER_PEER = 8  # measured: about 7 per pair in a process (its pipe to the peer and the peer's to it)
 
@@ -47,11 +47,11 @@ def _nothing() -> None:
     return None
 
 
-def open_pipes(processes: list[str], timeout: float = 20.0) -> list[str]:
+def open_pipes(processes: list[str], timeout: float = 20.0) -> None:
     """Open a pipe from this process to each of ``processes``, itself included (a call it makes to itself by RPC
     goes through one too), waiting at most ``timeout`` seconds in all (see [Note: pipes opened before a peer can die
-    mid-handshake]); the processes that refused the connection. A call that fails otherwise or does not answer is
-    not this one's to report: the call that needs that process finds it lost."""
+    mid-handshake]); keep those that refused the connection for :func:`check_refused`. A call that fails otherwise
+    or does not answer is not this one's to report: the call that needs that process finds it lost."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = 256 + _FDS_PER_PEER * len(processes)
     if soft != resource.RLIM_INFINITY and soft < need:  # 1024 by default: about 100 peers
@@ -60,7 +60,9 @@ def open_pipes(processes: list[str], timeout: float = 20.0) -> list[str]:
     calls = [rpc.rpc_async(p, _nothing, timeout=timeout) for p in processes]
     torch.futures.collect_all(calls).add_done_callback(lambda _: done.set())
     done.wait(timeout)
-    return [p for p, call in zip(processes, calls) if call.done() and _refused(call)]
+    served = current()
+    served.refused = [p for p, call in zip(processes, calls) if call.done() and _refused(call)]
+    served.pipes_open.set()
 
 
 def _refused(call: torch.futures.Future) -> bool:
@@ -71,39 +73,26 @@ def _refused(call: torch.futures.Future) -> bool:
     return False
 
 
-def _answers(process: str) -> bool:
-    """Whether ``process`` is running (died since it said it opened its pipes: the spares' to replace), asked over
-    this process's pipe to it; one this process has none to counts as not."""
-    try:
-        rpc.rpc_sync(process, _nothing, timeout=3.0)
-    except Exception:  # noqa: BLE001 - not answering, whatever the reason
-        return False
-    return True
+def refused_here(timeout: float) -> list[str] | None:
+    """The processes that refused this one's pipes, once it has opened them (None: not within ``timeout`` s)."""
+    served = current()
+    return list(served.refused) if served.pipes_open.wait(timeout) else None
 
 
-def _key(attempt: int, name: str) -> str:
-    return f"rpcmp/refused/{attempt}/{name}"
-
-
-def say_refused(attempt: int, me: str, refused: list[str]) -> None:
-    """Write to the launch's store that ``me`` has opened its pipes, and which processes refused it."""
-    launch_store(60).set(_key(attempt, me), ",".join(refused))
-
-
-def check_refused(attempt: int, processes: list[str], timeout: float = 10.0) -> None:
-    """On the master, once its own pipes are open: raise :class:`NetworkError` when a process that opened its pipes
-    was refused by another and answers this one (its listener stopped as the world formed; see the Note above). A
-    process that has not said so within ``timeout`` seconds, or does not answer, is lost or hung: the stages' build
-    meets it (with spares, replaces it)."""
-    store = launch_store(timeout)
-    keys = [_key(attempt, p) for p in processes]
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except Exception:  # noqa: BLE001 - one never said it: judged on those that did
-        pass
-    said = {p: store.get(k).decode() for p, k in zip(processes, keys) if store.check([k])}
+def check_refused(processes: list[str], timeout: float = 10.0) -> None:
+    """On the master, once its own pipes are open: raise :class:`NetworkError` when a process that answers was
+    refused by another (its listener stopped as the world formed; see the Note above). One that does not answer
+    within ``timeout`` seconds is lost or hung: the stages' build meets it (with spares, replaces it)."""
     me = rpc.get_worker_info().name
-    pairs = [(p, q) for p, refused in said.items() for q in refused.split(",") if q in said and (q == me or _answers(q))]
+    asked = {p: rpc.rpc_async(p, refused_here, args=(timeout,), timeout=timeout + 5) for p in processes if p != me}
+    said = {me: refused_here(timeout)}
+    for p, call in asked.items():
+        try:
+            said[p] = call.wait()
+        except Exception:  # noqa: BLE001 - not answering, whatever the reason
+            continue
+    pairs = [(p, q) for p, refused in said.items() if refused is not None for q in refused
+             if said.get(q) is not None]
     if pairs:
         where = "; ".join(f"{p} could not connect to {'itself' if q == p else q}" for p, q in pairs)
         raise NetworkError(

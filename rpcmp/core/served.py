@@ -127,6 +127,8 @@ class Served:
         self.topology = None  # the run's rpcmp.plan.topology.Topology, computed once at start
         self.device_maps: dict[str, dict[str, str]] = {}  # Job(device_maps=True): the maps this process joined RPC with
         self.store_address: tuple[str, int] | None = None  # the launch's store (rpcmp.core.store), from the launcher
+        self.refused: list[str] = []  # the processes that refused this one's pipes as the world formed (.pipes)
+        self.pipes_open = threading.Event()  # set once this process has opened its pipes (rpcmp/core/pipes.py)
         # Under torchrun: this attempt's number, the run an earlier attempt trained (None: none did) and how
         # to tell a later attempt which run this one trains (see [Note: a restart resumes by itself]).
         self.attempt = 0

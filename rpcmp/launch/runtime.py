@@ -25,7 +25,7 @@ from ..core.health import Watchdog
 from ..core.stall import Stalls
 from ..job import Job, load_job
 from ..core.store import launch_store
-from ..core.pipes import check_refused, open_pipes, say_refused
+from ..core.pipes import check_refused, open_pipes
 from .network import preflight
 from ..plan.placement import device_maps_for, process_name
 from ..plan.topology import Topology
@@ -237,7 +237,7 @@ def run_rank(job_path: str, rank: int, world_size: int, main: Callable[[Job, int
     result, error, watchdog = None, None, None
     try:
         if rank == 0:  # every pipe is open, or the run ends here: see rpcmp/core/pipes.py
-            check_refused(attempt, [process_name(r) for r in range(world_size)])
+            check_refused([process_name(r) for r in range(world_size)])
         if topology.replicated:
             join_stage_groups(topology, rank, job.hang_timeout, served, attempt)  # see [Note: replicas of a pipeline]
         if rank == 0 and main is not None:
@@ -277,7 +277,7 @@ def _join_rpc(job: Job, rank: int, world_size: int, served, attempt: int, env: L
         options.set_device_map(peer, mapping)
         served.device_maps.setdefault(peer, {}).update(mapping)
     _init_rpc(process_name(rank), rank, world_size, options)
-    say_refused(attempt, process_name(rank), open_pipes([process_name(r) for r in range(world_size)]))  # core/pipes.py
+    open_pipes([process_name(r) for r in range(world_size)])  # see rpcmp/core/pipes.py
     return topology
 
 
