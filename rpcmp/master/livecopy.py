@@ -39,9 +39,9 @@ step again would step those copies twice. So the master notes which copies ended
   that did takes that copy's values; with no such copy (every copy may have stepped, none
   ended) the error stands.
 
-Either way the run equals an uninterrupted one. The run says one line for it. So too for an owner lost
-while a resumed run's copies read its checkpoint (:meth:`LiveCopies.load`): the other copies have read it
-by the time the loss is known, generators restored first. With two lost
+Either way the run equals an uninterrupted one. The run says one line for it. So too for an owner
+lost while a resumed run's copies read its checkpoint (:func:`rpcmp.master.recovery.read_resumed`): the
+other copies have read it by the time the loss is known, generators restored first. With two lost
 owners, or no spare, the error stands and the run ends as it always did. A spare lost while it takes
 over is replaced by the next, which does 1. to 4. again.
 """
@@ -73,16 +73,6 @@ class LiveCopies:
 
     def settle(self) -> None:
         """Nothing to wait for before a step: the copies are the source (see the Note)."""
-
-    def load(self, ckpt: dict) -> str | None:
-        """A resumed run's copies read checkpoint ``ckpt``, each owner its own keys; an owner lost meanwhile is
-        replaced from a copy that read it (the generators of its process too): the line that says so."""
-        try:
-            self.rep.load_files(ckpt["files"])
-        except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
-            position = (ckpt["step"], ckpt["epoch"], ckpt["next_batch"])
-            return self.recover(exc, position, in_step=False, redo="the checkpoint read as the run resumed").line
-        return None
 
     def recover(self, error: BaseException, position: tuple[int, int, int], in_step: bool = True,
                 redo: str = "its checkpoint skipped", first: tuple[float, str] | None = None) -> RolledBack:

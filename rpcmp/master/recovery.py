@@ -25,7 +25,7 @@ them from the seed (as when an owner is lost while the stages build: rpcmp/maste
 others roll back to their own copies of the start, and the spare then snapshots its stages for its buddy.
 At the start of a resumed run they hold the checkpoint it resumed from, the run's last
 (``RunStatus.checkpoint``): they are rebuilt from it, as without snapshots; so too when an owner is lost
-while the stages read it (``load_state`` in rpcmp/train/engine.py).
+while the stages read it (:func:`read_resumed`).
 
 The copies the lost process kept for its neighbours are sent again, to their new buddy, once the
 first step after the recovery has ended, not beside it: for the demo Unet that is the encoder
@@ -61,7 +61,7 @@ from ..owner import state as stage_state
 from ..plan.placement import MASTER, Place
 from .move import build_on, install, new_optimizer, route
 
-__all__ = ["Snapshots", "RolledBack", "cannot_replace", "rebuild_on_spare", "install_rebuilt"]
+__all__ = ["Snapshots", "RolledBack", "read_resumed", "cannot_replace", "rebuild_on_spare", "install_rebuilt"]
 
 SEED = "seed"  # the lost stages are rebuilt from the job's seed (see Snapshots._whole_snapshot)
 
@@ -178,15 +178,6 @@ class Snapshots:
         self.forgetting = [rpc.rpc_async(o, snapshot.forget, args=(self.pipe.pid, below)) for o in owners]
         for old in [s for s in self.kept if s < below]:
             del self.kept[old]
-
-    def load(self, ckpt: dict) -> str | None:
-        """A resumed run's stages read checkpoint ``ckpt``, each owner its own keys; an owner lost meanwhile is
-        replaced from it as in a step (every stage reads it again, the generators too): the line that says so."""
-        try:
-            self.pipe.load_files(ckpt["files"])
-        except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
-            return self.recover(exc, (ckpt["step"], ckpt["epoch"], ckpt["next_batch"]), in_step=False).line
-        return None
 
     def recover(self, error: BaseException, position: tuple | None = None, in_step: bool = True,
                 redo: str = "", first: tuple[float, str] | None = None) -> RolledBack:
@@ -331,6 +322,21 @@ class Snapshots:
                     + " and no checkpoint of this run is whole in the master's folder (--checkpoint-dir on a folder "
                     "every node shares)")
         return why
+
+
+def read_resumed(pipe, recovery, ckpt: dict) -> str | None:
+    """A resumed run's stages read checkpoint ``ckpt``, each owner its own keys. An owner lost meanwhile is replaced
+    by ``recovery`` (:class:`Snapshots`: from ``ckpt``, every stage reading it again; a replicated pipeline's
+    :class:`~rpcmp.master.livecopy.LiveCopies`: from a copy that read it), the generators of its process too: the
+    line that says so; without one (no spares), the error stands."""
+    try:
+        pipe.load_files(ckpt["files"])
+    except Exception as exc:  # noqa: BLE001 - recovered, or re-raised as it was
+        if recovery is None:
+            raise
+        position = (ckpt["step"], ckpt["epoch"], ckpt["next_batch"])
+        return recovery.recover(exc, position, in_step=False, redo="the checkpoint read as the run resumed").line
+    return None
 
 
 def cannot_replace(owners_lost: list[str], spares: list[str], silent: list[str] = ()) -> str | None:

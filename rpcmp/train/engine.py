@@ -17,7 +17,7 @@ from ..core.health import reason, unless_lost, watch
 from ..core.microbatch import batch_size, gather
 from ..master.pipeline import Pipeline
 from ..master.livecopy import LiveCopies
-from ..master.recovery import RolledBack, Snapshots
+from ..master.recovery import RolledBack, Snapshots, read_resumed
 from ..owner import move as owner_move
 from ..plan.placement import process_name
 from ..plan.writes import detached_note, whole_batch_note
@@ -269,7 +269,7 @@ class PipelineEngine:
         return {"parts": self.pipe.save_stage_files(directory, step, keep_last, run), "optimizer": {}}
 
     def load_state(self, ckpt: dict) -> str | None:  # each owner reads its own keys; spares: a lost one is replaced
-        return (self.snapshots or self.live).load(ckpt) if self.spares else self.pipe.load_files(ckpt["files"])
+        return read_resumed(self.pipe, self.snapshots or self.live, ckpt)
 
     @property
     def scheduler(self):
