@@ -86,9 +86,10 @@ def _as_cpu(model: nn.Module, sample: Any):
     trace kept back into meta tensors and the CPU its graphs name into ``meta``, so that everything after
     the trace sees a graph traced on meta, as before (an owner's device replaces ``meta``: see [Note: a
     traced graph names the device it was traced on] in rpcmp/plan/graphs.py). A stage on a GPU runs the
-    CPU's path of such a ``forward`` (the one for ``meta`` before); a constant ``forward`` makes from
-    Python values is real on the CPU, and is made meta like the rest (its value is not used: see
-    :func:`rpcmp.plan.strange.refuse_strange`)."""
+    CPU's path of such a ``forward`` (the one for ``meta`` before). A constant ``forward`` makes from
+    Python values (``x[..., [-1]]`` indexes with one, BEiT's relative position index is filled with them)
+    is a real tensor of the CPU, not a fake one: it stays real, its value known (a few numbers; it travels
+    with the stage's graphs, and the owner puts it on its device: :func:`rpcmp.plan.tracedbuild.build_traced`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
@@ -118,8 +119,8 @@ def _back_to_meta(pipe) -> None:
     from torch._subclasses.fake_tensor import FakeTensor
     meta = each_once(meta_of)
     for table, key, t in _entries(_reachable(pipe.split_gm)):
-        if isinstance(t, torch.Tensor) and not t.is_meta:  # fake, or a constant the trace made from Python
-            table[key] = meta(t)  # values: unknown on meta, as before (rpcmp.plan.strange says so)
+        if _fake(t):  # a real tensor is a constant the trace made from Python values: kept, its value known
+            table[key] = meta(t)
 
     # A node's fake value is made to say ``meta`` in place: shape (symbolic sizes kept), strides and dtype as traced.
     # These values belong to this trace alone (its fake mode ends with it), and a new tensor for each (empty_strided
@@ -133,6 +134,12 @@ def _back_to_meta(pipe) -> None:
                     for v in pytree.tree_leaves(node.meta.get(key)):
                         if isinstance(v, FakeTensor) and v.fake_device.type == "cpu":
                             v.fake_device = torch.device("meta")
+
+
+def _fake(t: Any) -> bool:
+    """Whether ``t`` is a fake tensor of a trace (see [Note: traced as if on the CPU])."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
 
 
 def _nearest(model: nn.Module, point: str) -> str:
@@ -270,7 +277,7 @@ def _exporting(pipe_cls, dynamic: bool, key: tuple | None, marks: tuple[str, ...
             _inline_no_grad(ep.graph_module)
             meta = each_once(meta_of)
             for table in (ep.state_dict, ep.constants):  # kept: its fake tensors as meta ones, as after every trace
-                table.update({k: meta(t) for k, t in table.items() if isinstance(t, torch.Tensor) and not t.is_meta})
+                table.update({k: meta(t) for k, t in table.items() if _fake(t)})
             return ep
         ep, out_spec = exported(key, marks, dynamic, export, whole)
         out_specs.append(out_spec)

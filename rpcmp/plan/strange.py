@@ -13,10 +13,14 @@ __all__ = ["refuse_strange", "cached_modules"]
 
 
 def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
-    """Refuse, saying why, a split whose stages hold tensors the model has no name for: a constant that
-    ``forward`` makes from Python values on the meta device (its value is not known), or state ``forward``
-    keeps between calls (a key-value cache)."""
+    """Refuse, saying why, a split whose stages hold tensors the model has no name for and no value: a tensor
+    the model keeps in a list or dict attribute (made on the meta device with the model), or state ``forward``
+    keeps between calls (a key-value cache). A tensor ``forward`` makes from Python values is known, and kept."""
     strange = sorted(set().union(*held) - set(tensor_table(model)))
+    if not cached_modules(model):  # a constant made from Python values, its value known (see [Note: traced as if
+        # on the CPU] in rpcmp/plan/export.py), is no stranger; a key-value cache's is: the setting to change says so
+        strange = [n for n in strange if any(n in h and attribute(pipe.get_stage_module(i), n).is_meta
+                                            for i, h in enumerate(held))]
     if not strange:
         return
     repeated = sorted({repeated_call(n) for n in strange} - {None})
@@ -34,11 +38,11 @@ def refuse_strange(model: nn.Module, pipe, held: list[set[str]]) -> None:
         readers = sorted({str(u.target) for _, _, g in graphs(pipe.get_stage_module(i).get_submodule(where))
                           for node in g.nodes if node.op == "get_attr" and node.target == leaf for u in _readers(node)})
         raise PartitionError(
-            f"SplitAt: {where or type(model).__name__}'s forward makes a tensor from Python values on its input's device ({name}, read by "
-            f"{', '.join(readers) or 'the graph'}; indexing with a list, x[..., [-2]], does this). Traced on the meta "
-            f"device, its value is unknown, so the stage could not be built exactly. Index with a slice "
-            f"(x[..., -2:-1]) or a registered buffer, or declare the stages by modules (rpcmp.Split over an "
-            f"nn.Sequential)")
+            f"SplitAt: {where or type(model).__name__}'s forward reads a tensor the model keeps outside its parameters "
+            f"and buffers, in a list or dict attribute ({name}, read by {', '.join(readers) or 'the graph'}). The "
+            f"model is built on the meta device to be cut, so its value is unknown there, and no owner could give it "
+            f"the unsplit model's. Register it as a buffer (self.register_buffer(name, tensor, persistent=False)), "
+            f"or declare the stages by modules (rpcmp.Split over an nn.Sequential)")
     raise PartitionError(f"SplitAt: the traced stages hold tensors {type(model).__name__} has no name for "
                          f"({strange[:5]}{'...' if len(strange) > 5 else ''}): tensors its forward creates and "
                          f"keeps between calls, which a stage cannot hand on. {_cache_hint(model)}")

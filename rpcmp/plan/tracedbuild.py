@@ -10,8 +10,8 @@ from torch import nn
 
 from .export import traces
 from .graphs import forget_trace, place_graph, run_as_code
-from .materialize import (attach_tensor, build_part, check_materialized, graph_constants, keep_persistence, meta_model,
-                          read_constant, set_constant, set_tensor, tensor_names, tensor_table)
+from .materialize import (attach_tensor, attribute, build_part, check_materialized, graph_constants, keep_persistence,
+                          meta_model, read_constant, set_constant, set_tensor, tensor_names, tensor_table)
 from .shipped import unship_stage
 from .traced import SplitAt, attach_eval, graph_copy, stage_module, stage_route
 
@@ -46,7 +46,10 @@ def build_traced(job, spec, meta: bool = False, device: torch.device | str | Non
     values = tensor_table(model)
     for module, mine in names.items():  # one set of tensors for both graphs
         for name in mine:
-            set_tensor(module, name, values[name])
+            if name in values:
+                set_tensor(module, name, values[name])
+            else:  # a constant made from Python values, come with the graphs (see [Note: traced as if on the CPU])
+                _made_in_forward(module, name, device or "cpu")
         for name in constants[module]:
             value = read_constant(model, name)
             if value is not None:
@@ -57,6 +60,18 @@ def build_traced(job, spec, meta: bool = False, device: torch.device | str | Non
     check_materialized({"train": stage, "eval": evaluated}, f"stage {spec.index} ({spec.name})")
     forget_trace((stage, evaluated))
     return stage
+
+
+def _made_in_forward(module: nn.Module, name: str, device: torch.device | str) -> None:
+    """Buffer ``name`` of ``module``, a tensor the model has no name for, on ``device`` and out of the stage's
+    ``state_dict`` (a checkpoint holds the model's names only); left as it is on the meta device, which
+    :func:`check_materialized` refuses by name."""
+    value = attribute(module, name)
+    if value.is_meta:
+        return
+    set_tensor(module, name, value.to(device))
+    owner_name, _, leaf = name.rpartition(".")
+    (module.get_submodule(owner_name) if owner_name else module)._non_persistent_buffers_set.add(leaf)
 
 
 def as_cut(job, spec):

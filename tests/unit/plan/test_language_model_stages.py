@@ -288,13 +288,49 @@ class _ListIndex(nn.Module):
         return self.b(h * h[..., [-1]])
 
 
-def test_a_tensor_forward_makes_from_python_values_is_refused_naming_the_module_and_the_rewrite():
-    job = rpcmp.Job(model=_ListIndex, stages=rpcmp.SplitAt("b"))
-    with pytest.raises(rpcmp.PartitionError, match=r"SplitAt: _ListIndex's forward makes a tensor from Python values .*lifted_tensor"
-                                                   r".*read by aten.index.Tensor.*x\[..., -2:-1\]"):
-        plan_stages(job, torch.zeros(2, 4))
+class _Beit(nn.Module):
+    """BEiT's relative position bias fills its index with Python values in forward."""
+
+    def __init__(self):
+        super().__init__()
+        import transformers as T
+        self.m = T.BeitForImageClassification(T.BeitConfig(
+            image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+            use_relative_position_bias=True, drop_path_rate=0.0, hidden_dropout_prob=0.0, num_labels=10))
+
+    def forward(self, x):
+        return self.m(pixel_values=x).logits
+
+
+@pytest.mark.parametrize("model,point,x", [(_ListIndex, ("b",), torch.randn(3, 4)),
+                                           (_Beit, ("m.beit.layers.1", "m.beit.layers.3"), torch.randn(2, 3, 16, 16))])
+def test_a_tensor_forward_makes_from_python_values_is_kept_and_the_stages_train_as_the_unsplit_model(model, point, x):
+    """A list index (x[..., [-1]], as Falcon's attention), or BEiT's index filled with Python values: traced as on the
+    CPU, the trace made the tensor for real. It was refused, its value unknown; now its value travels with the graphs,
+    and it stays out of the checkpoint (the model has no name for it)."""
+    from rpcmp.cli import check
+    job = rpcmp.Job(model=model, stages=rpcmp.SplitAt(*point))
+    specs = plan_stages(job, x)
+    stages = [build_stage(job, s) for s in specs]
+    torch.manual_seed(job.seed)
+    whole = model()
+    torch.testing.assert_close(run_stages(stages, x), whole(x))
+    run_stages(stages, x).square().sum().backward()
+    whole(x).square().sum().backward()
+    grads = {k: p.grad for s in stages for k, p in s.named_parameters()}
+    assert grads.keys() == dict(whole.named_parameters()).keys()
+    for k, p in whole.named_parameters():  # float32: the traced graph may sum in another order (at the gradient's scale)
+        torch.testing.assert_close(grads[k], p.grad, rtol=1.3e-6, atol=1e-6 * float(p.grad.abs().max()) + 1e-7, msg=k)
+    assert {k for s in stages for k in s.state_dict()} == set(whole.state_dict())
+    checks, diff, why = check.check_stages(job, specs, x)  # rpcmp plan --check
+    assert all(c.wrong == [] for c in checks) and why is None and diff < 1e-5
+
+
+def test_a_tensor_kept_in_a_list_attribute_is_refused_naming_the_module_and_the_rewrite():
     job = rpcmp.Job(model=_InAList, stages=rpcmp.SplitAt("b"))  # traced as on the CPU, the list's tensor too
-    with pytest.raises(rpcmp.PartitionError, match=r"makes a tensor from Python values .*read by aten.add.Tensor"):
+    with pytest.raises(rpcmp.PartitionError, match=r"SplitAt: _InAList's forward reads a tensor the model keeps outside "
+                                                   r"its parameters and buffers, in a list or dict attribute \(lifted_tensor_0, "
+                                                   r"read by aten.add.Tensor\).*register_buffer"):
         plan_stages(job, torch.zeros(2, 4))
 
 
