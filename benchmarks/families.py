@@ -22,8 +22,6 @@ environment says which).
 from __future__ import annotations
 
 import os
-import sys
-import time
 
 import click
 import torch
@@ -32,6 +30,7 @@ import transformers as T
 from torch import nn
 
 import rpcmp
+import unsplit
 
 V = 64
 _KW = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -174,82 +173,39 @@ job = rpcmp.Job(model=Model, stages=rpcmp.SplitAt(*_CUT), batch_size=8, microbat
                 threads=1)
 
 
+def _logits(out):
+    return out.logits
+
+
 def _split_run(job, world):
-    data = batches()
-    pipe = rpcmp.Pipeline(job, world, sample=data[0][0])
-    losses = [pipe.train_step(*data[0]).item()]
-    pipe.recut(rpcmp.SplitAt(*_RECUT))
-    losses += [pipe.train_step(x, y).item() for x, y in data[1:]]
-    pipe.eval()
-    out = torch.tensor(losses), pipe.state_dict(), pipe.predict(data[0][0]).logits
-    pipe.close()
-    return out
+    return unsplit.split_run(job, world, batches(), _RECUT, _logits)
+
+
+def _optimizer(model):
+    named = dict(model.named_parameters())
+    return torch.optim.AdamW([{**g, "params": [named[n] for n in g["params"]]} for g in rpcmp.no_decay(model)],
+                             **job.optimizer[1])
 
 
 def _unsplit_run():
-    torch.set_num_threads(1)
-    torch.manual_seed(job.seed)
-    model = Model()
-    named = dict(model.named_parameters())
-    opt = torch.optim.AdamW([{**g, "params": [named[n] for n in g["params"]]} for g in rpcmp.no_decay(model)],
-                            **job.optimizer[1])
-    losses = []
-    for x, y in batches():
-        opt.zero_grad()
-        value = loss(model(x), y)
-        value.backward()
-        opt.step()
-        losses.append(value.item())
-    model.eval()
-    with torch.no_grad():
-        return torch.tensor(losses), model.state_dict(), model(batches()[0][0]).logits
-
-
-def _compare() -> str:
-    """This family, split in fresh processes and whole here: 'equal', or what differs."""
-    from rpcmp.launch.local import launch_local
-    split = launch_local(os.path.abspath(__file__), 4, _split_run, timeout=400, master_in_process=False)
-    whole = _unsplit_run()
-    try:
-        torch.testing.assert_close(split, whole)
-    except AssertionError as exc:
-        return "differs: " + str(exc).splitlines()[0]
-    return "equal"
-
-
-def check(family: str, schedule: str = "gpipe", microbatches: int = 4) -> str:
-    """One family in a fresh interpreter (its job is this file, read with ``FAMILY`` set)."""
-    import subprocess
-    env = {**os.environ, "FAMILY": family, "FAMILY_SCHEDULE": schedule, "FAMILY_MICROBATCHES": str(microbatches)}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", family], capture_output=True, text=True,
-                          timeout=600, env=env)
-    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if found:
-        return found[-1].removeprefix("RESULT ")
-    return "failed: " + (proc.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+    return unsplit.train(job, Model, _optimizer, batches(), loss, _logits)
 
 
 @click.command()
 @click.argument("names", nargs=-1)
 @click.option("--schedule", type=click.Choice(["gpipe", "overlap", "1f1b"]), default="gpipe", show_default=True)
 @click.option("--microbatches", type=int, default=4, show_default=True)
-@click.option("--one", is_flag=True, hidden=True, help="this process runs FAMILY's comparison (check's subprocess)")
+@click.option("--one", is_flag=True, hidden=True, help="this process runs FAMILY's comparison")
 def main(names, schedule, microbatches, one):
     """Check each family in NAMES (every one by default) against the unsplit model."""
     if one:
-        print("RESULT " + _compare(), flush=True)
+        print("RESULT " + unsplit.compare(__file__, _split_run, _unsplit_run), flush=True)
         return
     unknown = [n for n in names if n not in FAMILIES]
     if unknown:
         raise click.BadParameter(f"unknown families {unknown}; known: {', '.join(FAMILIES)}", param_hint="NAMES")
-    bad = 0
-    for name in names or list(FAMILIES):
-        start = time.time()
-        result = check(name, schedule, microbatches)
-        bad += result != "equal"
-        print(f"{name:10s} {result}  ({time.time() - start:.0f} s)", flush=True)
-    sys.exit(1 if bad else 0)
-
+    unsplit.each(__file__, names or list(FAMILIES), lambda name: {"FAMILY": name, "FAMILY_SCHEDULE": schedule,
+                                                                  "FAMILY_MICROBATCHES": str(microbatches)})
 
 if __name__ == "__main__":
     main()
