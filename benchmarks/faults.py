@@ -1,18 +1,19 @@
-"""A process of a Hugging Face family's run killed or stopped from outside, against the same run left alone.
+"""A process of a run killed or stopped from outside, against the same run left alone.
 
-    .venv/bin/python benchmarks/faults.py FAMILY STEP[+SECONDS] PROCESS SIGNAL [...] [rpcmp run options]
+    .venv/bin/python benchmarks/faults.py MODEL STEP[+SECONDS] PROCESS SIGNAL [...] [rpcmp run options]
     .venv/bin/python benchmarks/faults.py qwen3 12 worker3 SIGKILL --local 5 --spares 1
     .venv/bin/python benchmarks/faults.py qwen2 12 worker2 SIGSTOP --local 5 --spares 1 --hang-timeout 20
     .venv/bin/python benchmarks/faults.py llama 6 worker4 SIGSTOP 8 worker2 SIGKILL --local 5 --spares 1
     .venv/bin/python benchmarks/faults.py llama 8 worker2 SIGKILL 8+0.1 worker4 SIGKILL --local 6 --spares 2
+    .venv/bin/python benchmarks/faults.py hf_beit 30 worker2 SIGKILL --local 5 --spares 1
 
-The model is ``benchmarks/families.py``'s (a 4-block model of FAMILY from a tiny config, 3 stages), trained
-on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcmp run``: one left alone, one
+MODEL is a Hugging Face family of ``benchmarks/families.py`` (a 4-block model from a tiny config, 3 stages) or a
+model of ``benchmarks/vision.py`` (cut as there), trained on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcmp run``: one left alone, one
 whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file (SECONDS later
 with ``+SECONDS``; each hit in turn, when several are given). It prints what the hit run said of the loss (its
 recovery line, or its error), both exit codes and times, and the largest difference between the two runs' final
 parameters (0.0: the recovery changed nothing of the math), and exits 1 where a run failed or the difference is
-above 1e-5. This file is also the job each run loads (``FAMILY`` in the environment says which).
+above 1e-5. This file is also the job each run loads (``FAMILY`` or ``VISION`` in the environment says which).
 """
 from __future__ import annotations
 
@@ -28,15 +29,18 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import families  # noqa: E402
+if os.environ.get("VISION"):  # a run's processes, of a model of benchmarks/vision.py
+    import vision as source  # noqa: E402
+else:
+    import families as source  # noqa: E402
 
 
-class Tokens(torch.utils.data.Dataset):
-    """families.py's batches, one sample each."""
+class Samples(torch.utils.data.Dataset):
+    """The batches of families.py (or vision.py), one sample each."""
 
     def __init__(self, steps: int = 40):
-        self.items = [({k: v[i] for k, v in x.items()}, y[i]) for x, y in families.batches(steps=steps, size=8)
-                      for i in range(8)]
+        self.items = [(x[i] if isinstance(x, torch.Tensor) else {k: v[i] for k, v in x.items()}, y[i])
+                      for x, y in source.batches(steps=steps, size=8) for i in range(8)]
 
     def __len__(self):
         return len(self.items)
@@ -45,7 +49,7 @@ class Tokens(torch.utils.data.Dataset):
         return self.items[i]
 
 
-job = dataclasses.replace(families.job, data=lambda: (Tokens(), None), epochs=2)
+job = dataclasses.replace(source.job, data=lambda: (Samples(), None), epochs=2)
 
 
 def _steps(metrics: str) -> int:
@@ -108,10 +112,13 @@ def _hits(args: list[str]) -> tuple[list[tuple[int, str, int, float]], list[str]
 
 def main(family: str, *args: str) -> int:
     from rpcmp.core.checkpoint import load_checkpoint
-    if family not in families.FAMILIES:
-        sys.exit(f"unknown family {family!r}; known: {', '.join(families.FAMILIES)}")
+    import families
+    import vision
+    if family not in {**families.FAMILIES, **vision.MODELS}:
+        sys.exit(f"unknown model {family!r}; known: {', '.join(families.FAMILIES)}, and vision's "
+                 f"{', '.join(vision.MODELS)}")
     hits, options = _hits(list(args))
-    os.environ["FAMILY"] = family
+    os.environ["VISION" if family in vision.MODELS else "FAMILY"] = family
     root = tempfile.mkdtemp(prefix="rpcmp-faults-")
     try:
         code0, out0, s0 = run(os.path.join(root, "alone"), list(options))
