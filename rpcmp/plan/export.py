@@ -119,7 +119,7 @@ def _back_to_meta(pipe) -> None:
     from torch._subclasses.fake_tensor import FakeTensor
     meta = each_once(meta_of)
     for table, key, t in _entries(_reachable(pipe.split_gm)):
-        if _fake(t):  # a real tensor is a constant the trace made from Python values: kept, its value known
+        if _unknown(key, t):
             table[key] = meta(t)
 
     # A node's fake value is made to say ``meta`` in place: shape (symbolic sizes kept), strides and dtype as traced.
@@ -136,10 +136,15 @@ def _back_to_meta(pipe) -> None:
                             v.fake_device = torch.device("meta")
 
 
-def _fake(t: Any) -> bool:
-    """Whether ``t`` is a fake tensor of a trace (see [Note: traced as if on the CPU])."""
+def _unknown(key: str, t: Any) -> bool:
+    """Whether tensor ``t``, kept by a trace under ``key``, goes back to the meta device: a fake tensor, or a real
+    one of the model's (built on the CPU in spite of the meta device: an owner gives it its value by name). Not a
+    constant the trace made from Python values (``lifted_tensor_N``): its value is known, and kept (see [Note:
+    traced as if on the CPU])."""
     from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return False
+    return isinstance(t, FakeTensor) or not key.rpartition(".")[2].startswith(("lifted_tensor", "_tensor_constant"))
 
 
 def _nearest(model: nn.Module, point: str) -> str:
@@ -277,7 +282,7 @@ def _exporting(pipe_cls, dynamic: bool, key: tuple | None, marks: tuple[str, ...
             _inline_no_grad(ep.graph_module)
             meta = each_once(meta_of)
             for table in (ep.state_dict, ep.constants):  # kept: its fake tensors as meta ones, as after every trace
-                table.update({k: meta(t) for k, t in table.items() if _fake(t)})
+                table.update({k: meta(t) for k, t in table.items() if _unknown(k, t)})
             return ep
         ep, out_spec = exported(key, marks, dynamic, export, whole)
         out_specs.append(out_spec)
