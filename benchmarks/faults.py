@@ -8,12 +8,13 @@
     .venv/bin/python benchmarks/faults.py hf_beit 30 worker2 SIGKILL --local 5 --spares 1
 
 MODEL is a Hugging Face family of ``benchmarks/families.py`` (a 4-block model from a tiny config, 3 stages) or a
-model of ``benchmarks/vision.py`` (cut as there), trained on 40 batches an epoch for 2 epochs (``--epochs`` to change). Two runs of ``rpcmp run``: one left alone, one
-whose PROCESS (``worker2``: the rank's name) gets SIGNAL once STEP steps are in its metrics file (SECONDS later
-with ``+SECONDS``; each hit in turn, when several are given). It prints what the hit run said of the loss (its
-recovery line, or its error), both exit codes and times, and the largest difference between the two runs' final
-parameters (0.0: the recovery changed nothing of the math), and exits 1 where a run failed or the difference is
-above 1e-5. This file is also the job each run loads (``FAMILY`` or ``VISION`` in the environment says which).
+model of ``benchmarks/vision.py`` (cut as there), trained on 40 batches an epoch for 2 epochs (``--epochs`` to
+change). Two runs of ``rpcmp run``: one left alone, one whose PROCESS (``worker2``: the rank's name) gets SIGNAL
+once STEP steps are in its metrics file (SECONDS later with ``+SECONDS``; each hit in turn, when several are
+given). It prints what the hit run said of the loss (its recovery line, or its error), both exit codes and times,
+and the largest difference between the two runs' final parameters (0.0: the recovery changed nothing of the math),
+and exits 1 where a run failed or the difference is above 1e-5. This file is also the job each run loads
+(``FAMILY`` or ``VISION`` in the environment says which).
 """
 from __future__ import annotations
 

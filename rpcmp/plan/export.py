@@ -61,7 +61,7 @@ def trace_split(model: nn.Module, split: SplitAt, sample: Any, key: tuple | None
         raise PartitionError(
             f"SplitAt{split.points}: tracing {type(model).__name__}.forward with torch.export failed: "
             f"{type(exc).__name__}: {_what_to_do(model, str(exc).strip())}") from None
-    check_reached(type(model).__name__, split, reached)
+    check_reached(model, split, reached)
     check_stages(type(model).__name__, split, pipe)
     for i in range(pipe.num_stages):
         unshadow(pipe.get_stage_module(i))  # see [Note: a node named self] in rpcmp/plan/graphs.py

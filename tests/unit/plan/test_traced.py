@@ -205,16 +205,33 @@ class _Reused(nn.Module):
         return self.c(self.b(self.b(self.a(x))))
 
 
+class _Looped(_Reused):
+    """Its blocks in an ``nn.ModuleList``, called one by one (PoolFormer's stages hold lists of blocks so)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleList([nn.Linear(4, 4), nn.ReLU()]) for _ in range(2)])
+
+    def forward(self, x):
+        for stage in self.blocks:
+            for block in stage:
+                x = block(x)
+        return self.c(x)
+
+
 @pytest.mark.model
-@pytest.mark.parametrize("points, said", [
-    (("c", "a"), r"reaches the points in the order \('a', 'c'\): name them in that order"),
-    (("b",), r"calls \['b'\] more than once; a split point must be a module forward calls once"),
-    (("spare",), r"never calls \['spare'\]"),
+@pytest.mark.parametrize("model, points, said", [
+    (_Reused, ("c", "a"), r"reaches the points in the order \('a', 'c'\): name them in that order"),
+    (_Reused, ("b",), r"calls \['b'\] more than once; a split point must be a module forward calls once"),
+    (_Reused, ("spare",), r"never calls \['spare'\]: a module forward does not call .* cannot be a point"),
+    (_Looped, ("blocks.1",), r"never calls \['blocks.1'\]: blocks.1 is a ModuleList, whose blocks forward calls one "
+                             r"by one; cut before one of them \('blocks.1.0', 'blocks.1.1'\)"),
 ])
-def test_split_points_are_modules_forward_calls_once_named_in_its_order(points, said):
+def test_split_points_are_modules_forward_calls_once_named_in_its_order(model, points, said):
     """Stages are named after their points: another order named every stage wrongly, a point called twice
-    or never gave another number of stages than asked for, without a word."""
-    job = rpcmp.Job(model=_Reused, stages=rpcmp.SplitAt(*points), microbatches=2)
+    or never gave another number of stages than asked for, without a word; a list of blocks, never called
+    itself, is said with the blocks to cut at instead."""
+    job = rpcmp.Job(model=model, stages=rpcmp.SplitAt(*points), microbatches=2)
     with pytest.raises(PartitionError, match=said):
         plan_stages(job, torch.randn(4, 4))
 
