@@ -26,14 +26,14 @@ def check_reached(model: nn.Module, split, reached: list) -> None:
 
 
 def _instead(model: nn.Module, never: list[str]) -> str:
-    """What to cut at instead of modules ``forward`` never calls: a container's first child it calls (a
-    ``ModuleList`` of blocks has no ``forward``: the loop calls each block)."""
+    """What to cut at instead of modules ``forward`` never calls: the children of a container (a ``ModuleList`` of
+    blocks has no ``forward``: a loop calls each block), or why such a module cannot be a point."""
     for point in never:
         module = model.get_submodule(point)
-        called = [f"{point}.{n}" for n, _ in module.named_children()]
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and called:
+        children = [f"{point}.{n}" for n, _ in module.named_children()]
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and children:
             return (f": {point} is a {type(module).__name__}, whose blocks forward calls one by one; cut before one "
-                    f"of them ({', '.join(repr(c) for c in called[:3])}{', ...' if len(called) > 3 else ''})")
+                    f"of them ({', '.join(repr(c) for c in children[:3])}{', ...' if len(children) > 3 else ''})")
     return (": a module forward does not call (one whose parameters another module reads, or one on a path this "
             "batch does not take) cannot be a point; name a module forward calls")
 
